@@ -1,0 +1,133 @@
+"""Configuration dataclasses: `ModelConfig` (the architecture) and `EngineConfig` (the shapes).
+
+Both are frozen: a config is a value, hashable, and safe to close over in jit-compiled code.
+`ModelConfig` covers every decoder-only family Metrale-JAX implements (Llama 2/3.x, SmolLM2,
+Mistral, Qwen2, Qwen3, Gemma, Gemma 2); the per-family switches are plain fields so that one set
+of blocks in `metrale_jax.models` serves them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from metrale_jax.errors import CheckpointError, InvalidParameterError
+
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]
+ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as transformers' `rope_scaling` describes it.
+
+    kind: "linear" (positions divided by `factor`) or "llama3" (Llama 3.1's smooth per-frequency
+    scaling between `low_freq_factor` and `high_freq_factor` wavelengths of
+    `original_max_position_embeddings`).
+    """
+
+    kind: Literal["linear", "llama3"]
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one decoder-only transformer.
+
+    Dimension letters (see DESIGN.md): `V` vocab_size, `E` hidden_size, `F` intermediate_size,
+    `L` num_layers, `H` num_heads, `K` num_kv_heads, `D` head_dim.
+
+    Family switches:
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        qk_norm: RMSNorm over `D` on queries and keys before RoPE (Qwen3).
+        norm_weight_offset: RMSNorm scales by `1 + weight` (Gemma, Gemma 2).
+        embed_scale: embeddings multiplied by sqrt(E) (Gemma, Gemma 2).
+        post_norms: extra norms after attention and after the MLP (Gemma 2).
+        attn_logit_softcap / final_logit_softcap: `cap * tanh(x / cap)` (Gemma 2).
+        sliding_window / sliding_layers: per-layer local attention (Gemma 2 alternates,
+            Mistral uses it on every layer); `sliding_layers[i]` says whether layer i is local.
+        query_pre_attn_scalar: attention scale is its -1/2 power instead of D^-1/2 (Gemma 2).
+    """
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    hidden_act: Literal["silu", "gelu_tanh"] = "silu"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    norm_weight_offset: bool = False
+    embed_scale: bool = False
+    post_norms: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    query_pre_attn_scalar: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise CheckpointError(f"unknown architecture {self.architecture!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"model config: {name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"model config: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise CheckpointError("model config: sliding_layers must have one entry per layer")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor applied to q·k before softmax."""
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
+        return 1.0 / math.sqrt(base)
+
+    @property
+    def layer_is_sliding(self) -> tuple[bool, ...]:
+        """One flag per layer: True where the layer attends within `sliding_window` only."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        return self.sliding_layers or (True,) * self.num_layers
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict that `from_dict` reads back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """Reads what `to_dict` wrote."""
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["sliding_layers"] = tuple(d.get("sliding_layers") or ())
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+
+DTypeName = Literal["float32", "bfloat16"]
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+
+def check_dtype(name: str) -> str:
+    """Returns `name` if it is a supported compute dtype, else raises `InvalidParameterError`."""
+    if name not in DTYPES:
+        raise InvalidParameterError(f"dtype must be one of {DTYPES}, got {name!r}", param="dtype")
+    return name

@@ -1,0 +1,10 @@
+"""Device side: every jit-compiled program lives here (see engine/engine.py)."""
+
+from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.sampling import SamplingState
+from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput
+from metrale_jax.engine.steps import Prefix
+
+__all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "SamplingState", "SlotSettings",
+           "StepOutput"]

@@ -1,0 +1,203 @@
+"""`LLM`: the offline Python API for notebooks and scripts.
+
+    from metrale_jax import LLM
+    llm = LLM("default")                      # or a HF folder, a .gguf file, an orbax checkpoint
+    llm.config, llm.tokenizer
+    llm.logits(token_ids)                     # [T, V] float32, one full forward pass
+    llm.apply_chat_template(messages, add_generation_prompt=True) -> str
+    llm.generate(prompts, SamplingParams(...)) -> list[Completion]
+    llm.chat(messages, params) -> Completion ; llm.stream(prompt, params) -> text deltas
+
+A thin front: loading lives in `metrale_jax.weights`, text in `metrale_jax.text`, and the
+compiled steps in `metrale_jax.engine`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.completion import Completion, collect
+from metrale_jax.config import ModelConfig
+from metrale_jax.errors import ChatTemplateError, InvalidParameterError
+from metrale_jax.models.transformer import forward
+from metrale_jax.weights.checkpoint import Checkpoint, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+MIN_LOGITS_BUCKET = 16
+
+
+def _bucket(n: int) -> int:
+    """The smallest power of two ≥ max(n, 16): one compile per bucket, not per length."""
+    return max(MIN_LOGITS_BUCKET, 1 << (n - 1).bit_length())
+
+
+class LLM:
+    """A loaded model with its tokenizer and chat template.
+
+    Args:
+        model: "default", or a path to a Hugging Face folder, a .gguf file or a Metrale
+            (orbax) checkpoint folder.
+        dtype: params and compute dtype, "float32" (CPU) or "bfloat16" (TPU/GPU); None =
+            float32, or an orbax checkpoint's stored dtype.
+        max_slots, max_len: decode slots B and context length S of the engine; further
+            keyword arguments go to `EngineConfig`.
+    """
+
+    def __init__(self, model: str | Path = "default", *, dtype: str | None = None,
+                 max_slots: int = 8, max_len: int = 2048, **engine_options: Any):
+        self.checkpoint: Checkpoint = load_checkpoint(model, dtype)
+        self._template = None
+        self._engine_options = dict(max_slots=max_slots, max_len=max_len,
+                                    dtype=self.checkpoint.dtype, **engine_options)
+        self._scheduler = None
+
+    @property
+    def scheduler(self):
+        """The batching loop (built, and its engine compiled, on first use)."""
+        if self._scheduler is None:
+            from metrale_jax.engine import Engine, EngineConfig
+            from metrale_jax.scheduler import Scheduler
+            ckpt = self.checkpoint
+            engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
+                            EngineConfig(**self._engine_options))
+            self._scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids)
+            self._scheduler.wait_ready()
+        return self._scheduler
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end generation: the generation config's, else the tokenizer's."""
+        gen = self.checkpoint.generation_config.get("eos_token_id")
+        if gen is not None:
+            return tuple(gen) if isinstance(gen, list) else (int(gen),)
+        return tuple(self.config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+
+    def close(self) -> None:
+        """Stops the batching loop thread, if one was started."""
+        if self._scheduler is not None:
+            self._scheduler.stop()
+            self._scheduler = None
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _submit(self, prompt_ids: list[int], params):
+        from metrale_jax.scheduler import GenerationRequest
+        return self.scheduler.submit(GenerationRequest.make(prompt_ids, params))
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params=None) -> list[Completion]:
+        """Generates for each prompt (text or token ids), all run together in the batch.
+
+        `sampling_params`: one `SamplingParams` for all, or a list with one per prompt.
+        """
+        from metrale_jax.scheduler import SamplingParams
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise InvalidParameterError("give one SamplingParams, or one per prompt",
+                                        param="sampling_params")
+        handles = [self._submit(self._encode(p), sp)
+                   for p, sp in zip(prompts, per, strict=True)]
+        return [collect(h) for h in handles]
+
+    def chat(self, messages: list[dict[str, Any]], sampling_params=None,
+             **template_kwargs: Any) -> Completion:
+        """Applies the chat template to `messages` and generates the assistant's answer."""
+        return self.generate([self._chat_ids(messages, **template_kwargs)], sampling_params)[0]
+
+    def _chat_ids(self, messages, **template_kwargs) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(self, prompt: str | Sequence[int], sampling_params=None) -> Iterator[str]:
+        """Yields the text of one generation as it is produced."""
+        from metrale_jax.scheduler import SamplingParams
+        handle = self._submit(self._encode(prompt), sampling_params or SamplingParams())
+        yield from _text_deltas(handle)
+
+    def stream_chat(self, messages: list[dict[str, Any]], sampling_params=None,
+                    **template_kwargs: Any) -> Iterator[str]:
+        """`stream` for a chat: applies the template, yields the answer's text deltas."""
+        from metrale_jax.scheduler import SamplingParams
+        handle = self._submit(self._chat_ids(messages, **template_kwargs),
+                              sampling_params or SamplingParams())
+        yield from _text_deltas(handle)
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's architecture."""
+        return self.checkpoint.config
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer: `encode(text) -> list[int]`, `decode(ids) -> str`."""
+        return self.checkpoint.tokenizer
+
+    @functools.cached_property
+    def _forward(self):
+        graphdef = self.checkpoint.graphdef
+
+        @jax.jit
+        def run(params, tokens, positions):
+            logits, _ = forward(graphdef, params, tokens, positions)
+            return logits[0]
+
+        return run
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The model's logits for every position of `token_ids`: `[T, V] float32`."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise InvalidParameterError("token_ids must not be empty", param="token_ids")
+        V = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= V:
+            raise InvalidParameterError(f"token ids must be in [0, {V})", param="token_ids")
+        T = len(ids)
+        P = _bucket(T)
+        tokens = np.zeros((1, P), np.int32)
+        tokens[0, :T] = ids
+        positions = jnp.arange(P, dtype=jnp.int32)[None]
+        # Padding sits after the prompt, so causal attention keeps it out of positions < T.
+        out = self._forward(self.checkpoint.params, jnp.asarray(tokens), positions)
+        return np.asarray(out[:T])
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs: Any) -> str:
+        """Renders `messages` with the model's chat template (Hugging Face semantics)."""
+        if self._template is None:
+            from metrale_jax.text import ChatTemplate
+            source = self.checkpoint.chat_template
+            if not source:
+                raise ChatTemplateError(f"model {self.checkpoint.name!r} has no chat template")
+            tok = self.tokenizer
+            self._template = ChatTemplate(source, bos_token=tok.bos_token,
+                                          eos_token=tok.eos_token)
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools, **kwargs)
+
+
+def _text_deltas(handle) -> Iterator[str]:
+    from metrale_jax.scheduler import Failed, Finished, Token
+    try:
+        for event in handle:
+            if isinstance(event, (Token, Finished)) and event.text:
+                yield event.text
+            elif isinstance(event, Failed):
+                raise event.error
+    finally:
+        handle.cancel()

@@ -1,0 +1,214 @@
+"""The building blocks shared by every model family: RMSNorm, RoPE, attention and the gated MLP.
+
+Each block is a Flax NNX module whose parameters use the [in, out] layout JAX prefers
+(`q_proj: [E, H, D]`), so that a checkpoint in Hugging Face's [out, in] layout is transposed once
+at load time (`metrale_jax.weights.assemble`), never per step.
+
+Compute convention: activations run in the params dtype (float32 on CPU, bfloat16 on TPU/GPU);
+norms, softmax and logits run in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from metrale_jax.config import ModelConfig, RopeScaling
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis: `x / rms(x) * w` (or `* (1 + w)` for Gemma).
+
+    x: [..., N] -> [..., N], same dtype; the statistics are computed in float32.
+    """
+
+    def __init__(self, size: int, eps: float, offset: bool, dtype: jnp.dtype):
+        self.eps = eps
+        self.offset = offset
+        init = jnp.zeros if offset else jnp.ones
+        self.weight = nnx.Param(init((size,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...].astype(jnp.float32)
+        if self.offset:
+            # Gemma scales in float32 and casts once, at the end.
+            return (x32 * (1.0 + w)).astype(x.dtype)
+        return w.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: RopeScaling | None) -> np.ndarray:
+    """The RoPE inverse frequencies `[D // 2] float32`, with `scaling` applied.
+
+    "linear" divides every frequency by the factor; "llama3" divides the low frequencies by it,
+    keeps the high ones and interpolates smoothly between (Llama 3.1's scheme).
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.kind == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates `x: [B, T, N, D]` by `positions: [B, T] int32` (HF's rotate-half convention)."""
+    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """Gated MLP: `down(act(x @ gate) * (x @ up))`. x: [B, T, E] -> [B, T, E]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        E, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate = _normal(rngs, (E, F), dtype)
+        self.up = _normal(rngs, (E, F), dtype)
+        self.down = _normal(rngs, (F, E), dtype)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = x @ self.gate[...]
+        gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return (gate * (x @ self.up[...])) @ self.down[...]
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention over a KV cache plus the tokens of this step.
+
+    Inputs: x `[B, T, E]`, positions `[B, T] int32` (token t of row b sits at
+    `positions[b, t]`; a row's tokens are contiguous), the layer's cache `k, v: [B, K, S, D]`
+    (or None) holding positions `0 .. positions[b, 0] - 1`, and `is_sliding` (a traced bool).
+    Returns the output `[B, T, E]` and this step's keys and values `[B, K, T, D]`, which the
+    caller writes into the cache: the cache is read-only here, so the layer scan never copies it.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = _normal(rngs, (E, H, D), dtype)
+        self.k_proj = _normal(rngs, (E, K, D), dtype)
+        self.v_proj = _normal(rngs, (E, K, D), dtype)
+        self.o_proj = _normal(rngs, (H, D, E), dtype)
+        if cfg.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((H, D), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((K, D), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((K, D), dtype))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
+
+    def _qkv(self, x, positions):
+        """x [B, T, E] -> q [B, T, H, D], k and v [B, T, K, D], RoPE applied to q and k."""
+        cfg = self.cfg
+        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
+        k = jnp.einsum("bte,ekd->btkd", x, self.k_proj[...])
+        v = jnp.einsum("bte,ekd->btkd", x, self.v_proj[...])
+        if cfg.attention_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        return q, k, v
+
+    def __call__(self, x, positions, cache_k, cache_v, is_sliding):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        q, k, v = self._qkv(x, positions)
+        q = q.reshape(B, T, K, G, cfg.head_dim)
+
+        # Which keys each query may see: causal inside this step, `< positions[b, 0]` in the
+        # cache, and within the window on sliding layers.
+        window = cfg.sliding_window or 0
+        q_pos = positions[:, :, None]  # [B, T, 1]
+        new_ok = q_pos >= positions[:, None, :]  # [B, T, T]
+        if window:
+            new_ok &= ~is_sliding | (q_pos - positions[:, None, :] < window)
+        scores = [jnp.einsum("btkgd,bskd->bkgts", q, k)]
+        masks = [new_ok]
+        if cache_k is not None:
+            s_pos = jnp.arange(cache_k.shape[2])[None, None, :]  # [1, 1, S]
+            cache_ok = jnp.broadcast_to(s_pos < positions[:, :1, None], (B, T, cache_k.shape[2]))
+            if window:
+                cache_ok &= ~is_sliding | (q_pos - s_pos < window)
+            scores.insert(0, jnp.einsum("btkgd,bksd->bkgts", q, cache_k))
+            masks.insert(0, cache_ok)
+        s = jnp.concatenate(scores, axis=-1).astype(jnp.float32) * cfg.attention_scale
+        if cfg.attn_logit_softcap:
+            s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
+        mask = jnp.concatenate(masks, axis=-1)[:, None, None]  # [B, 1, 1, T, S + T]
+        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", p[..., -T:], v)
+        if cache_k is not None:
+            out += jnp.einsum("bkgts,bksd->btkgd", p[..., :-T], cache_v)
+        out = out.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        y = jnp.einsum("bthd,hde->bte", out, self.o_proj[...])
+        return y, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def decode(self, x: jax.Array, positions: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
+               is_sliding: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One decode step with a per-layer cache that is written first, then attended to.
+
+        x: [B, 1, E]; positions: [B] int32 (where this token goes; writes at or past S are
+        dropped); cache_kt: keys transposed `[B, K, D, S]` (so q·k is a plain batched matmul
+        over S); cache_v: `[B, K, S, D]`; is_sliding: static. Returns the output `[B, 1, E]`
+        and both caches with this token written (in place when the caller donates them).
+        """
+        cfg = self.cfg
+        B = x.shape[0]
+        K, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        q, k, v = self._qkv(x, positions[:, None])
+        b = jnp.arange(B)
+        # A position past the cache (an idle slot) overwrites the last entry instead of being
+        # dropped: an in-bounds scatter stays in place on XLA:CPU.
+        w = jnp.minimum(positions, cache_v.shape[2] - 1)
+        cache_kt = cache_kt.at[b, :, :, w].set(k[:, 0].astype(cache_kt.dtype),
+                                               mode="promise_in_bounds", unique_indices=True)
+        cache_v = cache_v.at[b, :, w].set(v[:, 0].astype(cache_v.dtype),
+                                          mode="promise_in_bounds", unique_indices=True)
+        # One materialised buffer for both the attention and the returned cache: without the
+        # barrier XLA:CPU may fuse the update into each consumer and copy the cache per step.
+        cache_kt, cache_v = jax.lax.optimization_barrier((cache_kt, cache_v))
+        qg = q[:, 0].reshape(B, K, G, D).astype(cache_kt.dtype)
+        s = jnp.einsum("bkgd,bkds->bkgs", qg, cache_kt).astype(jnp.float32) * cfg.attention_scale
+        if cfg.attn_logit_softcap:
+            s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
+        s_pos = jnp.arange(cache_kt.shape[-1])[None, :]  # [1, S]
+        ok = s_pos <= positions[:, None]  # [B, S]: the cache up to and including this token
+        if cfg.sliding_window and is_sliding:
+            ok &= positions[:, None] - s_pos < cfg.sliding_window
+        s = jnp.where(ok[:, None, None, :], s, jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(s, axis=-1).astype(cache_v.dtype)
+        out = jnp.einsum("bkgs,bksd->bkgd", p, cache_v).astype(x.dtype)
+        out = out.reshape(B, 1, cfg.num_heads * D)
+        y = out @ self.o_proj[...].reshape(cfg.num_heads * D, -1)
+        return y, cache_kt, cache_v

@@ -1,0 +1,143 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2/3 and Gemma 1/2.
+
+`Transformer` stacks its layers (every layer parameter has a leading `L` axis) and runs them
+with `jax.lax.scan`, so a 30-layer model compiles one layer body, not thirty.
+
+The pure function the engine uses is `forward(graphdef, params, tokens, positions, cache)`:
+the NNX module is split once into a static `graphdef` and a `params` pytree (`nnx.State`),
+and the params go into every compiled step as an argument, never closed over.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.models.kv_cache import KVCache
+from metrale_jax.models.layers import MLP, Attention, RMSNorm
+
+
+class Block(nnx.Module):
+    """One decoder layer: pre-norm attention and pre-norm MLP with residuals.
+
+    Gemma 2 adds a norm after attention and after the MLP (`post_norms`).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        E, eps, off = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset
+        self.post_norms = cfg.post_norms
+        self.attn_norm = RMSNorm(E, eps, off, dtype)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(E, eps, off, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+        if cfg.post_norms:
+            self.post_attn_norm = RMSNorm(E, eps, off, dtype)
+            self.post_mlp_norm = RMSNorm(E, eps, off, dtype)
+
+    def __call__(self, x, positions, cache_k, cache_v, is_sliding):
+        """x: [B, T, E] -> ([B, T, E], new keys [B, K, T, D], new values [B, K, T, D])."""
+        h, k, v = self.attn(self.attn_norm(x), positions, cache_k, cache_v, is_sliding)
+        if self.post_norms:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_norms:
+            h = self.post_mlp_norm(h)
+        return x + h, k, v
+
+    def decode(self, x, positions, cache_kt, cache_v, is_sliding: bool):
+        """One decode step, x: [B, 1, E]; see `Attention.decode` for the per-layer cache."""
+        h, cache_kt, cache_v = self.attn.decode(self.attn_norm(x), positions, cache_kt, cache_v,
+                                                is_sliding)
+        if self.post_norms:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_norms:
+            h = self.post_mlp_norm(h)
+        return x + h, cache_kt, cache_v
+
+
+class Transformer(nnx.Module):
+    """Embeddings, `L` stacked blocks, the final norm and the LM head (or tied embeddings).
+
+    Call: `(tokens [B, T] int32, positions [B, T] int32, cache KVCache | None,
+    logits_index [B] int32 | None) -> (logits, cache)`.
+    - logits: `[B, T, V] float32`, or `[B, V]` at token `logits_index[b]` of each row when
+      given (prefill needs only the last prompt token's logits).
+    - cache: with a cache `[L, B, K, S, D]`, the same cache with this step's keys and values
+      written at `positions`; without one, a cache of exactly these `T` tokens.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Param(
+            0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))
+            .astype(dtype))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(r: nnx.Rngs) -> Block:
+            return Block(cfg, dtype, r)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(
+                0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size))
+                .astype(dtype))
+
+    def __call__(self, tokens, positions, cache: KVCache | None = None, logits_index=None):
+        cfg = self.cfg
+        embed = self.embed[...]
+        x = embed[tokens]
+        if cfg.embed_scale:
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+        sliding = jnp.asarray(cfg.layer_is_sliding)
+        block_def, block_state = nnx.split(self.blocks)
+
+        def body(x, layer):
+            state, is_sliding, ck, cv = layer
+            block = nnx.merge(block_def, state)
+            x, k, v = block(x, positions, ck, cv, is_sliding)
+            return x, (k, v)
+
+        if cache is None:
+            xs = (block_state, sliding, None, None)
+        else:
+            xs = (block_state, sliding, cache.k, cache.v)
+        x, (new_k, new_v) = jax.lax.scan(body, x, xs)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+        x = self.final_norm(x)
+        head = embed.T if cfg.tie_word_embeddings else self.lm_head[...]
+        logits = (x @ head).astype(jnp.float32)
+        if cfg.final_logit_softcap:
+            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+        if cache is None:
+            return logits, KVCache(new_k, new_v)
+        return logits, cache.write(new_k, new_v, positions)
+
+
+def split_model(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
+    """Splits a model into its static graph definition and its params pytree."""
+    return nnx.split(model)
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache | None = None, logits_index: jax.Array | None = None):
+    """The pure forward pass `(params, tokens, positions, cache) -> (logits, cache)`.
+
+    Shapes as `Transformer.__call__`; `graphdef` is static (close over it or mark it static).
+    """
+    model = nnx.merge(graphdef, params)
+    return model(tokens, positions, cache, logits_index)
+
+
+def abstract_model(cfg: ModelConfig,
+                   dtype: jnp.dtype = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
+    """The graphdef and a params pytree of `jax.ShapeDtypeStruct`s, allocating nothing."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(model)

@@ -1,0 +1,150 @@
+"""The same transformer with its layers unrolled over per-layer params: the CPU-fast layout.
+
+`models.transformer.forward` scans over stacked `[L, ...]` params; on XLA:CPU every scan
+iteration copies its layer's weights (and cache) out of the stacked arrays, which doubles the
+memory traffic of a decode step. `LayerParams` holds one params pytree per layer instead, and
+`forward_layers` / `decode_layers` run the layers as a Python loop (one compiled body per
+layer), so each weight is read in place. The math is `Block` / `Attention`'s own.
+
+Decode cache (`LayerCache`): one buffer per layer, keys transposed `[B, K, D, S]` and values
+`[B, K, S, D]`, written in place by `decode_layers` (donate it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.models.kv_cache import KVCache
+from metrale_jax.models.transformer import Transformer
+
+# Logical axes of LayerCache buffers (engine/sharding.py maps them to the mesh).
+LAYER_KEY_AXES: tuple[str, ...] = ("slots", "kv_heads", "head_dim", "seq")
+LAYER_VALUE_AXES: tuple[str, ...] = ("slots", "kv_heads", "seq", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    """The model's params with one pytree per layer.
+
+    outer: the `Transformer` state with its `blocks` entry removed (embed, final norm, head);
+    layers: L `Block` states (no leading L axis).
+    """
+
+    outer: nnx.State
+    layers: tuple[nnx.State, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """Per-layer decode cache: kt L x `[B, K, D, S]` (keys transposed), v L x `[B, K, S, D]`."""
+
+    kt: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, slots: int, length: int, dtype) -> LayerCache:
+        K, D = cfg.num_kv_heads, cfg.head_dim
+        return cls(tuple(jnp.zeros((slots, K, D, length), dtype) for _ in range(cfg.num_layers)),
+                   tuple(jnp.zeros((slots, K, length, D), dtype) for _ in range(cfg.num_layers)))
+
+    @property
+    def length(self) -> int:
+        return self.v[0].shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGraph:
+    """The static half: the model's config, its graphdef and one block's graphdef."""
+
+    cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    block_def: nnx.GraphDef
+
+
+def split_layers(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[LayerGraph, LayerParams]:
+    """Stacked params -> (static `LayerGraph`, `LayerParams`). Copies each layer's weights once."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    model = nnx.merge(graphdef, abstract)
+    cfg = model.cfg
+    block_def = nnx.split(model.blocks)[0]
+    blocks = params["blocks"]
+    layers = tuple(jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(cfg.num_layers))
+    outer = nnx.State({k: v for k, v in params.items() if k != "blocks"})
+    return LayerGraph(cfg, graphdef, block_def), LayerParams(outer, layers)
+
+
+def _embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array) -> jax.Array:
+    embed = params.outer["embed"][...]
+    x = embed[tokens]
+    if graph.cfg.embed_scale:
+        x = x * jnp.asarray(graph.cfg.hidden_size**0.5, x.dtype)
+    return x
+
+
+def _head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
+    """x: [..., E] -> logits [..., V] float32 (final norm, head, final softcap)."""
+    cfg = graph.cfg
+    w = params.outer["final_norm"]["weight"][...]
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    if cfg.norm_weight_offset:
+        x = (x32 * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    else:
+        x = w * x32.astype(x.dtype)
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("...e,ve->...v", x, params.outer["embed"][...])
+    else:
+        logits = x @ params.outer["lm_head"][...]
+    logits = logits.astype(jnp.float32)
+    if cfg.final_logit_softcap:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits
+
+
+def forward_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
+                   positions: jax.Array, cache: KVCache | None = None,
+                   logits_index: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """`models.transformer.forward` over `LayerParams`: same arguments, same results."""
+    x = _embed(graph, params, tokens)
+    new_k, new_v = [], []
+    for i, (state, sliding) in enumerate(zip(params.layers, graph.cfg.layer_is_sliding,
+                                             strict=True)):
+        block = nnx.merge(graph.block_def, state)
+        ck = None if cache is None else cache.k[i]
+        cv = None if cache is None else cache.v[i]
+        x, k, v = block(x, positions, ck, cv, jnp.asarray(sliding))
+        new_k.append(k)
+        new_v.append(v)
+    if logits_index is not None:
+        x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+    logits = _head(graph, params, x)
+    new_k, new_v = jnp.stack(new_k), jnp.stack(new_v)
+    if cache is None:
+        return logits, KVCache(new_k, new_v)
+    return logits, cache.write(new_k, new_v, positions)
+
+
+def decode_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
+                  positions: jax.Array, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+    """One decode step: tokens [B] int32 at positions [B] int32 -> (logits [B, V] float32,
+    cache with these tokens' keys and values written)."""
+    x = _embed(graph, params, tokens[:, None])
+    kts, vs = [], []
+    for i, (state, sliding) in enumerate(zip(params.layers, graph.cfg.layer_is_sliding,
+                                             strict=True)):
+        block = nnx.merge(graph.block_def, state)
+        x, kt, v = block.decode(x, positions, cache.kt[i], cache.v[i], sliding)
+        kts.append(kt)
+        vs.append(v)
+    return _head(graph, params, x[:, 0]), LayerCache(tuple(kts), tuple(vs))
+
+
+__all__ = ["LayerCache", "LayerGraph", "LayerParams", "Transformer", "decode_layers",
+           "forward_layers", "split_layers"]

@@ -1,0 +1,28 @@
+"""Host side: requests, slots, the batching loop thread, detokenizing and stops."""
+
+from metrale_jax.scheduler.events import (
+    Cancelled,
+    Event,
+    Failed,
+    Finished,
+    TimedOut,
+    Token,
+    TokenLogprob,
+)
+from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
+from metrale_jax.scheduler.sampling_params import SamplingParams
+from metrale_jax.scheduler.scheduler import Scheduler
+
+__all__ = [
+    "Cancelled",
+    "Event",
+    "Failed",
+    "Finished",
+    "GenerationRequest",
+    "RequestHandle",
+    "SamplingParams",
+    "Scheduler",
+    "TimedOut",
+    "Token",
+    "TokenLogprob",
+]

@@ -1,0 +1,77 @@
+"""The events a request's stream yields: `Token`s, then exactly one terminal event.
+
+Terminal events: `Finished` (eos, stop, length), `Cancelled`, `TimedOut`, `Failed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from metrale_jax.errors import MetraleError
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and its top alternatives `[(token_id, logprob), ...]`."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """Newly generated tokens and the text they complete (text may be "" while held back)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """The request ended normally.
+
+    finish_reason: "stop" (eos, stop token or stop string) or "length" (max_tokens or the end
+    of the context). stop_reason: the matched stop string or stop token id, None for eos.
+    text: any text held back until the end (already included in no `Token`).
+    """
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stop_reason: str | int | None = None
+    text: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancelled:
+    """The request was cancelled (client gone, or the scheduler stopped)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    reason: str = "cancelled"
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedOut:
+    """The request's deadline passed before it finished."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The request failed: a user error (`MetraleError`) or an internal error."""
+
+    error: BaseException
+
+    @property
+    def is_user_error(self) -> bool:
+        """True when the error is the caller's (HTTP 4xx), False for an internal failure."""
+        return isinstance(self.error, MetraleError)
+
+
+Event = Token | Finished | Cancelled | TimedOut | Failed
+TERMINAL = (Finished, Cancelled, TimedOut, Failed)

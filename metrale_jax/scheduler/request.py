@@ -1,0 +1,103 @@
+"""A submitted request and the stream of events it yields to its caller.
+
+`RequestHandle` is both a blocking iterator (Python API, CLI) and an async iterator (server)
+over the same events. The batching loop thread posts events with `post`; when the handle was
+created inside an asyncio loop, events reach it through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+from metrale_jax.scheduler.events import TERMINAL, Event
+from metrale_jax.scheduler.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """What the scheduler needs to run one generation.
+
+    prompt_ids: the prompt's token ids. deadline: `time.monotonic()` value after which the
+    request ends with `TimedOut` (None = no deadline).
+    """
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
+    deadline: float | None = None
+
+    @classmethod
+    def make(cls, prompt_ids: Sequence[int], params: SamplingParams,
+             timeout: float | None = None, request_id: str | None = None) -> GenerationRequest:
+        """Builds a request; `timeout` seconds from now becomes the deadline."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        kw = {"request_id": request_id} if request_id else {}
+        return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline, **kw)
+
+
+class RequestHandle:
+    """The caller's end of a request: iterate its events, or `cancel()` it from any thread."""
+
+    def __init__(self, request: GenerationRequest, on_cancel,
+                 loop: asyncio.AbstractEventLoop | None = None):
+        self.request = request
+        self._on_cancel = on_cancel
+        self._loop = loop
+        self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
+        self._done = threading.Event()
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.request_id
+
+    @property
+    def done(self) -> bool:
+        """True once the terminal event has been posted."""
+        return self._done.is_set()
+
+    def post(self, event: Event) -> None:
+        """Called by the batching loop thread: delivers one event (ignored after the end)."""
+        if self._done.is_set():
+            return
+        if isinstance(event, TERMINAL):
+            self._done.set()
+        if self._loop is not None:
+            # RuntimeError: the caller's event loop is closed, so nobody is listening.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+        else:
+            self._sync.put(event)
+
+    def cancel(self) -> None:
+        """Asks the scheduler to stop this request; its slot is freed at the next iteration."""
+        if not self._done.is_set():
+            self._on_cancel(self.request_id)
+
+    def __iter__(self) -> Iterator[Event]:
+        if self._loop is not None:
+            raise RuntimeError("this handle was created in an event loop: use `async for`")
+        while True:
+            event = self._sync.get()
+            yield event
+            if isinstance(event, TERMINAL):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        if self._async is None:
+            raise RuntimeError("this handle was created outside an event loop: use `for`")
+        while True:
+            event = await self._async.get()
+            yield event
+            if isinstance(event, TERMINAL):
+                return

@@ -1,0 +1,296 @@
+"""The batching loop: one background thread that owns the engine and its decode state.
+
+Threads and queues:
+- Callers (HTTP handlers, the Python API) call `submit`, which validates the request, puts it
+  on a bounded FIFO `waiting` queue (full -> `BusyError`) and returns a `RequestHandle`.
+  `cancel` puts the id on a set read by the loop. Nothing but the loop thread touches JAX.
+- The loop thread, each iteration: drops cancelled and timed-out requests, admits waiting
+  requests into free slots (`engine.add`: prefill + insert), launches one `engine.step` for
+  all slots, starts copying its output to the host, and only then reads the *previous*
+  step's output (one step late), so the device is never idle while Python detokenizes.
+- Events go to each request's handle (`post`), which forwards them to the caller's thread or
+  event loop.
+Backpressure: `max_waiting` bounds the queue; the slots bound the work in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from metrale_jax.errors import BusyError, ContextLengthError, InvalidParameterError
+from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
+from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
+from metrale_jax.scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A launched step whose output is read one iteration later.
+
+    owners[slot] is the sequence that owned the slot when the step launched; a slot whose
+    owner changed (finished, freed, re-admitted) since then has its output ignored.
+    """
+
+    output: Any
+    owners: dict[int, Sequence]
+    first: bool  # prefill output (one token per admitted sequence) vs a decode step
+
+
+class Scheduler:
+    """Owns an `Engine` and runs the batching loop in a background thread.
+
+    Args:
+        engine: a `metrale_jax.engine.Engine` (compiled steps and shapes).
+        tokenizer: the model's tokenizer (detokenizing, special ids).
+        eos_token_ids: ids that end a request unless `ignore_eos`.
+        max_waiting: bound of the waiting queue; `submit` beyond it raises `BusyError`.
+    """
+
+    def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
+                 max_waiting: int = 256, warmup: bool = True):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_waiting = max_waiting
+        self.num_slots = engine.config.max_slots
+        self.max_len = engine.config.max_len
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._cancelled: set[str] = set()
+        self._slots: list[Sequence | None] = [None] * self.num_slots
+        self._running = True
+        self._ready = threading.Event()
+        self._warmup = warmup
+        self.stats = collections.Counter()
+        self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- caller side -------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Blocks until warmup is done; True when ready."""
+        return self._ready.wait(timeout)
+
+    @property
+    def ready(self) -> bool:
+        """True once the engine is warmed up and the loop is serving."""
+        return self._ready.is_set()
+
+    def check(self, request: GenerationRequest) -> None:
+        """Validates a request against the engine's shapes; raises a `MetraleError`."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidParameterError("the prompt must not be empty", param="prompt")
+        vocab = self.engine.model_config.vocab_size
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})",
+                                        param="prompt")
+        if any(t >= vocab for t in request.params.stop_token_ids):
+            raise InvalidParameterError(f"stop_token_ids must be < {vocab}",
+                                        param="stop_token_ids")
+        wanted = request.params.max_tokens or 1
+        if n + wanted > self.max_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_len} tokens, but the "
+                f"request has {n} prompt tokens plus max_tokens={wanted} "
+                f"({n + wanted} in all)")
+
+    def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
+        """Queues a request; returns its handle. Raises `BusyError` when the queue is full.
+
+        `loop`: the asyncio loop that will `async for` over the handle (None: blocking use).
+        """
+        self.check(request)
+        handle = RequestHandle(request, self.cancel, loop)
+        seq = Sequence(request, handle, self.tokenizer, self.eos_token_ids, self.max_len)
+        with self._lock:
+            if not self._running:
+                raise BusyError("the scheduler is stopped")
+            if len(self._waiting) >= self.max_waiting:
+                raise BusyError(f"the waiting queue is full ({self.max_waiting} requests); "
+                                "retry later")
+            self._waiting.append(seq)
+            self._wake.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Cancels a request from any thread; its slot is freed at the next iteration."""
+        with self._lock:
+            self._cancelled.add(request_id)
+            self._wake.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends every in-flight and waiting request with a terminal event; joins the thread."""
+        with self._lock:
+            self._running = False
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Slot occupancy and queue length, for metrics and dashboards."""
+        with self._lock:
+            waiting = len(self._waiting)
+        slots = [None if s is None else {"request_id": s.request.request_id,
+                                         "tokens": s.num_generated} for s in self._slots]
+        return {"slots": slots, "waiting": waiting, "stats": dict(self.stats)}
+
+    # ---- loop thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self._warmup:
+                self.engine.warmup()
+            self.state = self.engine.init_decode_state()
+        except Exception as e:  # nothing can be served: fail whatever is queued
+            log.exception("engine warmup failed")
+            with self._lock:
+                self._running = False
+            self._fail_all(e)
+            self._ready.set()
+            return
+        self._ready.set()
+        pending: collections.deque[_Pending] = collections.deque()
+        while True:
+            with self._lock:
+                if not self._running:
+                    break
+                if not self._waiting and not any(self._slots) and not pending:
+                    self._wake.wait(timeout=1.0)
+                cancelled, self._cancelled = self._cancelled, set()
+            try:
+                self._drop(cancelled)
+                launched = self._admit()
+                if launched is not None:
+                    pending.append(launched)
+                if any(self._slots):
+                    pending.append(self._launch_step())
+                # Read outputs one step late: keep the newest in flight while work remains.
+                keep = 1 if any(self._slots) else 0
+                while len(pending) > keep:
+                    self._consume(pending.popleft())
+            except Exception as e:
+                log.exception("batching loop iteration failed")
+                self.stats["loop_errors"] += 1
+                pending.clear()
+                self._fail_slots(e)
+                try:
+                    self.state = self.engine.init_decode_state()
+                except Exception:
+                    log.exception("could not rebuild the decode state")
+        self._shutdown()
+
+    def _drop(self, cancelled: set[str]) -> None:
+        now = time.monotonic()
+        for i, seq in enumerate(self._slots):
+            if seq is None:
+                continue
+            if seq.request.request_id in cancelled:
+                seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated))
+                self._slots[i] = None
+            elif seq.request.deadline is not None and now > seq.request.deadline:
+                seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
+                self._slots[i] = None
+        with self._lock:
+            keep = collections.deque()
+            for seq in self._waiting:
+                if seq.request.request_id in cancelled:
+                    seq.handle.post(Cancelled(seq.prompt_len, 0))
+                elif seq.request.deadline is not None and now > seq.request.deadline:
+                    seq.handle.post(TimedOut(seq.prompt_len, 0))
+                else:
+                    keep.append(seq)
+            self._waiting = keep
+
+    def _admit(self) -> _Pending | None:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if not free:
+            return None
+        with self._lock:
+            admitted = []
+            while free and self._waiting:
+                admitted.append((free.pop(0), self._waiting.popleft()))
+        if not admitted:
+            return None
+        items = []
+        for slot, seq in admitted:
+            seed = seq.request.params.seed
+            if seed is None:
+                seed = random.getrandbits(31)
+            items.append((slot, list(seq.request.prompt_ids), seq.slot_settings(seed)))
+        try:
+            self.state, first = self.engine.add(self.state, items)
+        except Exception as e:
+            for _, seq in admitted:
+                seq.handle.post(Failed(e))
+            raise
+        for slot, seq in admitted:
+            self._slots[slot] = seq
+        self.stats["admitted"] += len(admitted)
+        _start_copy(first)
+        return _Pending(first, {slot: seq for slot, seq in admitted}, first=True)
+
+    def _launch_step(self) -> _Pending:
+        self.state, out = self.engine.step(self.state)
+        _start_copy(out)
+        self.stats["steps"] += 1
+        return _Pending(out, {i: s for i, s in enumerate(self._slots) if s is not None},
+                        first=False)
+
+    def _consume(self, pending: _Pending) -> None:
+        out = pending.output
+        tokens = np.asarray(out.tokens)
+        logprobs = np.asarray(out.logprobs)
+        top_ids = np.asarray(out.top_ids)
+        top_lps = np.asarray(out.top_logprobs)
+        for slot, seq in pending.owners.items():
+            if self._slots[slot] is not seq or seq.finished:
+                continue
+            col = list(pending.owners).index(slot) if pending.first else slot
+            for k in range(tokens.shape[0]):
+                seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
+                              top_ids[k, col], top_lps[k, col])
+                if seq.finished:
+                    break
+            if seq.finished:
+                self._slots[slot] = None
+                self.stats["finished"] += 1
+
+    def _fail_slots(self, error: BaseException) -> None:
+        for i, seq in enumerate(self._slots):
+            if seq is not None:
+                seq.handle.post(Failed(error))
+                self._slots[i] = None
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail_slots(error)
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for seq in waiting:
+            seq.handle.post(Failed(error))
+
+    def _shutdown(self) -> None:
+        for i, seq in enumerate(self._slots):
+            if seq is not None:
+                seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated, "shutdown"))
+                self._slots[i] = None
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for seq in waiting:
+            seq.handle.post(Cancelled(seq.prompt_len, 0, "shutdown"))
+
+
+def _start_copy(output: Any) -> None:
+    """Starts the device-to-host copy of a step output without waiting for it."""
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+        arr = getattr(output, name, None)
+        if hasattr(arr, "copy_to_host_async"):
+            arr.copy_to_host_async()

@@ -1,0 +1,114 @@
+"""Turns canonical tensors (Hugging Face names and [out, in] shapes) into our params pytree.
+
+Every reader (safetensors, GGUF) produces the same canonical dict, so this is the one place
+that knows both layouts: HF's per-layer `[out, in]` matrices become stacked `[L, in, ...]`
+arrays split by head, as `metrale_jax.models` declares them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.errors import CheckpointError
+from metrale_jax.models.transformer import abstract_model
+
+
+def _layer_specs(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, Callable]]:
+    """Our per-layer param path -> (HF name pattern, function from the HF tensor to ours)."""
+    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    p = "model.layers.{i}."
+    specs: dict[tuple[str, ...], tuple[str, Callable]] = {
+        ("attn", "q_proj"): (p + "self_attn.q_proj.weight", lambda w: w.T.reshape(E, H, D)),
+        ("attn", "k_proj"): (p + "self_attn.k_proj.weight", lambda w: w.T.reshape(E, K, D)),
+        ("attn", "v_proj"): (p + "self_attn.v_proj.weight", lambda w: w.T.reshape(E, K, D)),
+        ("attn", "o_proj"): (p + "self_attn.o_proj.weight", lambda w: w.T.reshape(H, D, E)),
+        ("mlp", "gate"): (p + "mlp.gate_proj.weight", lambda w: w.T),
+        ("mlp", "up"): (p + "mlp.up_proj.weight", lambda w: w.T),
+        ("mlp", "down"): (p + "mlp.down_proj.weight", lambda w: w.T),
+        ("attn_norm", "weight"): (p + "input_layernorm.weight", lambda w: w),
+    }
+    if cfg.post_norms:  # Gemma 2 names its four norms differently from Llama.
+        specs[("post_attn_norm", "weight")] = (p + "post_attention_layernorm.weight", lambda w: w)
+        specs[("mlp_norm", "weight")] = (p + "pre_feedforward_layernorm.weight", lambda w: w)
+        specs[("post_mlp_norm", "weight")] = (p + "post_feedforward_layernorm.weight",
+                                              lambda w: w)
+    else:
+        specs[("mlp_norm", "weight")] = (p + "post_attention_layernorm.weight", lambda w: w)
+    if cfg.attention_bias:
+        specs[("attn", "q_bias")] = (p + "self_attn.q_proj.bias", lambda b: b.reshape(H, D))
+        specs[("attn", "k_bias")] = (p + "self_attn.k_proj.bias", lambda b: b.reshape(K, D))
+        specs[("attn", "v_bias")] = (p + "self_attn.v_proj.bias", lambda b: b.reshape(K, D))
+    if cfg.qk_norm:
+        specs[("attn", "q_norm", "weight")] = (p + "self_attn.q_norm.weight", lambda w: w)
+        specs[("attn", "k_norm", "weight")] = (p + "self_attn.k_norm.weight", lambda w: w)
+    return specs
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source: Path | str,
+                    dtype: jnp.dtype = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
+    """Builds `(graphdef, params)` for `cfg` from canonical tensors, cast to `dtype`.
+
+    Raises `CheckpointError` naming `source` and the tensor when one is missing or its shape
+    disagrees with the config.
+    """
+    graphdef, abstract = abstract_model(cfg, dtype)
+    want = nnx.to_pure_dict(abstract)
+
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise CheckpointError(f"{source}: tensor {name!r} is missing")
+        return np.asarray(tensors[name])
+
+    def place(path: tuple[str, ...], value: np.ndarray, name: str) -> None:
+        expected = _get(want, path).shape
+        if tuple(value.shape) != tuple(expected):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(value.shape)}, but the config "
+                f"implies {tuple(expected)}")
+        _set(out, path, jnp.asarray(value, dtype))
+
+    def reshaped(fn: Callable, w: np.ndarray, name: str, path: tuple[str, ...]) -> np.ndarray:
+        try:
+            return fn(w)
+        except ValueError:
+            layer_shape = _get(want, ("blocks", *path)).shape[1:]
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(w.shape)}, which does not fit "
+                f"the config's {tuple(layer_shape)}") from None
+
+    out: dict = {}
+    embed = take("model.embed_tokens.weight")
+    place(("embed",), embed, "model.embed_tokens.weight")
+    place(("final_norm", "weight"), take("model.norm.weight"), "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        head = tensors.get("lm_head.weight")
+        head = embed if head is None else np.asarray(head)
+        place(("lm_head",), head.T, "lm_head.weight")
+    for path, (pattern, fn) in _layer_specs(cfg).items():
+        layers = []
+        for i in range(cfg.num_layers):
+            name = pattern.format(i=i)
+            layers.append(reshaped(fn, take(name), name, path))
+        place(("blocks", *path), np.stack(layers), pattern.format(i="*"))
+    state = jax.tree.map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, out)
+    return graphdef, state

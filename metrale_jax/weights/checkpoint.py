@@ -1,0 +1,127 @@
+"""Resolves a model name or path and loads it: config, params, tokenizer and chat template.
+
+`load_checkpoint("default")` is the default model (SmolLM2-135M-Instruct, GGUF, fetched into
+`checkpoints/` by `metrale pull`); any other string is a path to a Hugging Face folder, a
+`.gguf` file or a Metrale orbax checkpoint (a folder with `metrale.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.errors import CheckpointError, ModelNotFoundError
+from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+log = logging.getLogger(__name__)
+
+Format = Literal["hf", "gguf", "orbax"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A loaded model: everything the engine and the text layer need.
+
+    gguf_metadata: for a GGUF source, its key-value metadata (kept so `convert` can store the
+    tokenizer); None otherwise.
+
+    graphdef/params: the split NNX `Transformer` (params on the default device, in `dtype`).
+    tokenizer: a `metrale_jax.text.Tokenizer`; chat_template: its source or None.
+    generation_config: defaults from the checkpoint (eos ids, temperature, ...).
+    """
+
+    name: str
+    path: Path
+    format: Format
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    tokenizer: Any
+    chat_template: str | None
+    generation_config: dict[str, Any]
+    dtype: str
+    gguf_metadata: dict[str, Any] | None = None
+
+    @property
+    def num_params(self) -> int:
+        """The number of parameters."""
+        import jax
+        return sum(x.size for x in jax.tree.leaves(self.params))
+
+
+def resolve(model: str | Path) -> tuple[Path, Format]:
+    """Maps a model name or path to `(path, format)`, or raises `ModelNotFoundError`."""
+    if str(model) == DEFAULT_MODEL_NAME:
+        path = default_model_path()
+        if not path.is_file():
+            raise ModelNotFoundError(
+                f"the default model is not in {path.parent}; run `metrale pull` to fetch it")
+        return path, "gguf"
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path, "gguf"
+    if path.is_dir():
+        if (path / "metrale.json").is_file():
+            return path, "orbax"
+        if (path / "config.json").is_file():
+            return path, "hf"
+        raise CheckpointError(
+            f"{path}: neither a Hugging Face folder (config.json) nor a Metrale checkpoint "
+            "(metrale.json)")
+    if path.is_file():
+        raise CheckpointError(f"{path}: not a .gguf file, a Hugging Face folder or a Metrale "
+                              "checkpoint")
+    raise ModelNotFoundError(f"model {str(model)!r} not found: no such file or folder, and "
+                             f"not the name {DEFAULT_MODEL_NAME!r}")
+
+
+def load_checkpoint(model: str | Path, dtype: str | None = None) -> Checkpoint:
+    """Loads a model by name or path.
+
+    `dtype` ("float32" | "bfloat16") is the params dtype; None keeps an orbax checkpoint's
+    stored dtype and means float32 for the other formats.
+    """
+    from metrale_jax.config import check_dtype
+    if dtype is not None:
+        check_dtype(dtype)
+    path, fmt = resolve(model)
+    start = time.perf_counter()
+    if fmt == "orbax":
+        from metrale_jax.weights.orbax_store import load_orbax
+        ckpt = load_orbax(path, dtype)
+        log.info("loaded %s (orbax) in %.1fs", path, time.perf_counter() - start)
+        return ckpt
+    from metrale_jax.weights.assemble import assemble_params
+    dtype = dtype or "float32"
+    jdtype = jnp.dtype(dtype)
+    if fmt == "gguf":
+        from metrale_jax.text import tokenizer_from_gguf_metadata
+        from metrale_jax.weights.gguf_reader import read_gguf
+        config, tensors, meta = read_gguf(path)
+        tokenizer = tokenizer_from_gguf_metadata(meta)
+        template = meta.get("tokenizer.chat_template")
+        generation: dict[str, Any] = {"eos_token_id": list(config.eos_token_ids)}
+        gguf_meta: dict[str, Any] | None = meta
+    else:
+        from metrale_jax.text import load_tokenizer
+        from metrale_jax.weights.hf_config import read_generation_config, read_hf_config
+        from metrale_jax.weights.safetensors_reader import read_safetensors
+        config = read_hf_config(path)
+        tensors = read_safetensors(path)
+        tokenizer = load_tokenizer(path)
+        template = getattr(tokenizer, "chat_template", None)
+        generation = read_generation_config(path)
+        gguf_meta = None
+    graphdef, params = assemble_params(config, tensors, path, jdtype)
+    del tensors
+    log.info("loaded %s (%s) in %.1fs", path, fmt, time.perf_counter() - start)
+    name = DEFAULT_MODEL_NAME if str(model) == DEFAULT_MODEL_NAME else str(model)
+    return Checkpoint(name, path, fmt, config, graphdef, params, tokenizer, template,
+                      generation, dtype, gguf_meta)

@@ -1,0 +1,251 @@
+"""Reads a llama.cpp GGUF file into canonical tensors.
+
+`read_gguf(path)` returns `(ModelConfig, tensors, metadata)`: `tensors` uses Hugging Face
+transformers' parameter names and shapes (as `LlamaForCausalLM` and friends store them), every
+array float32 (dequantized), so the models layer never sees llama.cpp's conventions. Undone
+here:
+
+- GGUF lists dims innermost first; numpy shapes are the reverse (`[out, in]`).
+- llama.cpp's converter permutes the rows of Q and K (and their biases) for the `llama`
+  architecture, to turn HF's half-split RoPE into interleaved pairs; we apply the inverse.
+- llama.cpp stores Gemma norm weights as `1 + w`; we subtract 1 so values equal HF's.
+- Llama 3 RoPE scaling lives in a `rope_freqs.weight` tensor, not metadata (see gguf_names).
+
+The file is memory-mapped (`gguf.GGUFReader`), and tensors are dequantized in row chunks into
+their final float32 arrays, so peak memory stays near the size of the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField, ReaderTensor
+from gguf.quants import dequantize
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.errors import CheckpointError, UnsupportedModelError
+from metrale_jax.weights.gguf_names import (
+    IGNORED_LAYER_SUFFIXES,
+    ROPE_FREQS,
+    config_from_metadata,
+    expected_shapes,
+    hf_name,
+)
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+# Tensor types we dequantize (all with gguf's numpy kernels).
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset({
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
+
+_CHUNK_BYTES = 32 << 20  # float32 output per dequantization call
+
+
+def read_gguf(path: str | os.PathLike[str], *,
+              progress: Callable[[int, int], None] | None = None,
+              ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """Reads a GGUF checkpoint.
+
+    Returns `(config, tensors, metadata)`:
+        config: the `ModelConfig` built from the file's metadata and tensor list.
+        tensors: HF name -> float32 array in HF layout, e.g. `model.embed_tokens.weight: [V, E]`,
+            `model.layers.{i}.self_attn.q_proj.weight: [H*D, E]`, `...k_proj.weight: [K*D, E]`,
+            `...o_proj.weight: [E, H*D]`, `...mlp.down_proj.weight: [E, F]`, norms `[E]` (or
+            `[D]` for Qwen3's q/k norms) with HF's values. `lm_head.weight: [V, E]` is absent
+            when `config.tie_word_embeddings`.
+        metadata: every key-value field of the file as plain Python values (str, int, float,
+            bool, or lists of them, e.g. `tokenizer.ggml.tokens: list[str]`).
+
+    `progress(done, total)` is called after each tensor. Raises `CheckpointError` (naming the
+    file) for a missing, truncated or malformed file, a missing tensor or a tensor whose
+    shape disagrees with the config; `UnsupportedModelError` for an architecture or tensor
+    type Metrale-JAX does not implement.
+    """
+    path = Path(path)
+    reader = _open(path)
+    metadata = _metadata(reader, path)
+    reader.fields.clear()  # ~100k small numpy views for the vocabulary: free before dequantizing
+    if int(metadata.get("split.count") or 1) > 1:
+        raise UnsupportedModelError(
+            f"{path}: split GGUF files are not supported; merge the parts first "
+            "(llama-gguf-split --merge)")
+    by_name = {t.name: t for t in reader.tensors}
+    shapes = {name: _numpy_shape(t) for name, t in by_name.items()}
+    rope_freqs = _dequantize(by_name[ROPE_FREQS], path) if ROPE_FREQS in by_name else None
+    config = config_from_metadata(metadata, shapes, path, rope_freqs)
+    plan = _plan(config, by_name, shapes, path)
+
+    tensors: dict[str, np.ndarray] = {}
+    for done, (name, tensor) in enumerate(plan.items(), start=1):
+        array = _dequantize(tensor, path)
+        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+            array = _unpermute(array, config.num_heads, tensor.name, path)
+        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
+            array = _unpermute(array, config.num_kv_heads, tensor.name, path)
+        if config.norm_weight_offset and name.endswith("norm.weight"):
+            array -= 1.0
+        tensors[name] = array
+        if progress is not None:
+            progress(done, len(plan))
+    del reader, by_name  # drop the memory map
+    return config, tensors, metadata
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverts llama.cpp's `permute(w, n_head)` on the rows of a Q or K projection.
+
+    `w: [n_head * D, ...]` (a weight `[n_head * D, E]` or a bias `[n_head * D]`). llama.cpp
+    reorders each head's rows from HF's two halves into interleaved pairs; this puts them back.
+    Returns a new array of the same shape.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"{rows} rows do not split into {n_head} heads of even size")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute(w: np.ndarray, n_head: int, gguf_name: str, path: Path) -> np.ndarray:
+    try:
+        return unpermute_rows(w, n_head)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: tensor {gguf_name!r}: {e}") from None
+
+
+def _open(path: Path) -> GGUFReader:
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a file")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the file ({e.strerror})") from None
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{path}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, IndexError, KeyError... on bad bytes
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file "
+                              f"({type(e).__name__}: {e})") from None
+    if reader.byte_order != "I":
+        raise UnsupportedModelError(f"{path}: GGUF files of the other byte order are not "
+                                    "supported")
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data.nbytes != t.n_bytes or t.data_offset + t.n_bytes > size:
+            raise CheckpointError(f"{path}: truncated GGUF file (tensor {t.name!r} needs "
+                                  f"bytes up to {t.data_offset + t.n_bytes}, file has {size})")
+    return reader
+
+
+def _decode(part: np.ndarray, key: str) -> str:
+    raw = part.tobytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        log.warning("GGUF field %s holds a string that is not UTF-8; replacing bad bytes", key)
+        return raw.decode("utf-8", errors="replace")
+
+
+def _field_value(field: ReaderField) -> Any:
+    """One metadata field as a plain Python value (list for arrays)."""
+    types = field.types
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        if len(types) == 1:  # empty array
+            return []
+        if len(types) > 2:  # nested arrays: gguf flattens them; keep its reading
+            return field.contents()
+        if types[1] == GGUFValueType.STRING:
+            return [_decode(field.parts[i], field.name) for i in field.data]
+        if not field.data:
+            return []
+        return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    part = field.parts[field.data[0]]
+    if types[0] == GGUFValueType.STRING:
+        return _decode(part, field.name)
+    if types[0] == GGUFValueType.FLOAT32:
+        return float(str(part[0]))  # shortest decimal that round-trips: 1e-05, not 9.99e-06
+    return part[0].item()
+
+
+def _metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
+    """Every key-value field (the reader's `GGUF.*` header entries excluded)."""
+    try:
+        return {key: _field_value(field) for key, field in reader.fields.items()
+                if not key.startswith("GGUF.")}
+    except Exception as e:
+        raise CheckpointError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+def _numpy_shape(t: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def _plan(config: ModelConfig, by_name: dict[str, ReaderTensor],
+          shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, ReaderTensor]:
+    """HF name -> GGUF tensor for every parameter, after checking names, shapes and types."""
+    want, optional = expected_shapes(config)
+    plan: dict[str, ReaderTensor] = {}
+    unknown: list[str] = []
+    for gguf_name, tensor in by_name.items():
+        if gguf_name == ROPE_FREQS or gguf_name.endswith(IGNORED_LAYER_SUFFIXES):
+            continue
+        name = hf_name(gguf_name, config.architecture)
+        if name is None or name not in want:
+            unknown.append(gguf_name)
+            continue
+        if shapes[gguf_name] != want[name]:
+            raise CheckpointError(
+                f"{path}: tensor {gguf_name!r} has shape {list(shapes[gguf_name])}, but the "
+                f"config calls for {list(want[name])} (as {name})")
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"{path}: tensor {gguf_name!r} has type {tensor.tensor_type.name}, which "
+                "Metrale-JAX cannot dequantize (supported: "
+                f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))})")
+        plan[name] = tensor
+    if unknown:
+        raise UnsupportedModelError(
+            f"{path}: {len(unknown)} tensor(s) this {config.architecture} reader does not "
+            f"know, e.g. {', '.join(unknown[:3])}")
+    missing = [n for n in want if n not in plan and n not in optional]
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} required tensor(s) missing, e.g. "
+                              f"{', '.join(missing[:3])}")
+    return plan
+
+
+def _dequantize(t: ReaderTensor, path: Path) -> np.ndarray:
+    """The tensor as a new float32 array in numpy (HF) shape, dequantized in row chunks."""
+    shape = _numpy_shape(t)
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(f"{path}: tensor {t.name!r} has unsupported type "
+                                    f"{t.tensor_type.name}")
+    try:
+        if t.tensor_type == GGMLQuantizationType.F32:
+            return np.array(t.data, dtype=np.float32).reshape(shape)
+        cols = shape[-1] if shape else 1
+        rows = t.data.reshape(-1, t.data.shape[-1] if t.data.ndim else 1)
+        out = np.empty((rows.shape[0], cols), dtype=np.float32)
+        step = max(1, _CHUNK_BYTES // (4 * cols))
+        for start in range(0, rows.shape[0], step):
+            out[start:start + step] = dequantize(rows[start:start + step], t.tensor_type)
+        return out.reshape(shape)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read tensor {t.name!r} "
+                              f"({type(e).__name__}: {e})") from None

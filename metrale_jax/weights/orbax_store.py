@@ -1,0 +1,139 @@
+"""Metrale's native checkpoint format: orbax-checkpoint params plus config and tokenizer assets.
+
+Layout of a checkpoint folder:
+    metrale.json      format version, ModelConfig, dtype, source, chat template, generation
+                      config, and which tokenizer backend the assets are for
+    params/           the params pytree (nested dict of arrays) written by orbax
+    tokenizer/        the tokenizer: HF files (tokenizer.json, tokenizer.model, ...), or
+                      `gguf_tokenizer.json` with the GGUF tokenizer metadata
+
+Loading needs neither torch nor transformers, and restores the arrays straight into the
+params' shapes and dtype (the scale-out work passes shardings through the same call).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                      "special_tokens_map.json", "added_tokens.json")
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
+def save_orbax(ckpt, dst: Path) -> Path:
+    """Writes a loaded `Checkpoint` to `dst` (which must not exist yet); returns `dst`."""
+    dst = Path(dst).expanduser().resolve()
+    if dst.exists():
+        raise CheckpointError(f"{dst}: already exists; choose a new folder")
+    dst.mkdir(parents=True)
+    tok_dir = dst / "tokenizer"
+    tok_dir.mkdir()
+    if ckpt.format == "gguf":
+        meta_in = ckpt.gguf_metadata or {}
+        keep = {k: _json_safe(v) for k, v in meta_in.items() if k.startswith("tokenizer.")}
+        (tok_dir / "gguf_tokenizer.json").write_text(json.dumps(keep))
+        tokenizer_kind = "gguf"
+    elif ckpt.format == "hf":
+        for name in HF_TOKENIZER_FILES:
+            if (ckpt.path / name).is_file():
+                shutil.copy2(ckpt.path / name, tok_dir / name)
+        tokenizer_kind = "hf"
+    else:
+        shutil.copytree(ckpt.path / "tokenizer", tok_dir, dirs_exist_ok=True)
+        tokenizer_kind = json.loads((ckpt.path / "metrale.json").read_text())["tokenizer"]
+    pure = nnx.to_pure_dict(ckpt.params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(dst / "params", pure)
+        checkpointer.wait_until_finished()
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "config": ckpt.config.to_dict(),
+        "dtype": ckpt.dtype,
+        "source": str(ckpt.path),
+        "tokenizer": tokenizer_kind,
+        "chat_template": ckpt.chat_template,
+        "generation_config": _json_safe(ckpt.generation_config),
+    }
+    (dst / "metrale.json").write_text(json.dumps(meta, indent=2))
+    log.info("wrote %s", dst)
+    return dst
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The parsed `metrale.json` of a checkpoint folder, checked for its format version."""
+    meta_path = path / "metrale.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: cannot read ({e})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: unsupported format_version "
+                              f"{meta.get('format_version')!r} (expected {FORMAT_VERSION})")
+    return meta
+
+
+def load_orbax(path: Path, dtype: str | None = None):
+    """Loads a Metrale checkpoint folder into a `Checkpoint`; `dtype` casts the params."""
+    from metrale_jax.models.transformer import abstract_model
+    from metrale_jax.weights.checkpoint import Checkpoint
+
+    path = Path(path).expanduser().resolve()
+    meta = read_metadata(path)
+    config = ModelConfig.from_dict(meta["config"])
+    stored = meta["dtype"]
+    graphdef, abstract = abstract_model(config, np.dtype(stored) if stored == "float32"
+                                        else jax.numpy.bfloat16)
+    target = nnx.to_pure_dict(abstract)
+    if not (path / "params").is_dir():
+        raise CheckpointError(f"{path / 'params'}: the params folder is missing")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path / "params", target)
+    except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+        raise CheckpointError(f"{path / 'params'}: cannot restore params ({e})") from None
+    if dtype is not None and dtype != stored:
+        restored = jax.tree.map(lambda x: x.astype(dtype), restored)
+    state = jax.tree.map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, restored)
+    tokenizer = _load_tokenizer(path / "tokenizer", meta["tokenizer"])
+    return Checkpoint(
+        name=str(path), path=path, format="orbax", config=config, graphdef=graphdef,
+        params=state, tokenizer=tokenizer, chat_template=meta.get("chat_template"),
+        generation_config=meta.get("generation_config") or {}, dtype=dtype or stored)
+
+
+def _load_tokenizer(folder: Path, kind: str):
+    from metrale_jax.text import load_tokenizer, tokenizer_from_gguf_metadata
+    if kind == "gguf":
+        try:
+            meta = json.loads((folder / "gguf_tokenizer.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{folder / 'gguf_tokenizer.json'}: cannot read ({e})") from None
+        return tokenizer_from_gguf_metadata(meta)
+    return load_tokenizer(folder)

@@ -1,0 +1,148 @@
+"""The `metrale` command line: `pull`, `convert`, `generate` (and `serve` once the server lands).
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input (one line on stderr, never a
+traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from metrale_jax.errors import MetraleError
+
+log = logging.getLogger("metrale")
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's default exits 2 with usage; keep 2
+        self.print_usage(sys.stderr)
+        self.exit(2, f"metrale: error: {message}\n")
+
+
+def _progress_bar():
+    """A rich progress bar on a terminal, or None (plain log lines) otherwise."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn())
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """Fetches the default model into checkpoints/."""
+    from metrale_jax.weights.default_model import pull_default_model
+    bar = _progress_bar()
+    if bar is None:
+        def report(stage: str, done: int, total: int) -> None:
+            if total == 0 or done == total:
+                print(f"{stage} {done}/{total} bytes" if total else stage, file=sys.stderr)
+        path = pull_default_model(report)
+    else:
+        with bar:
+            task = bar.add_task("pull", total=None)
+
+            def report(stage: str, done: int, total: int) -> None:
+                bar.update(task, description=stage, completed=done, total=total or None)
+            path = pull_default_model(report)
+    print(path)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Converts a checkpoint (HF folder, GGUF, default) into Metrale's orbax format."""
+    from metrale_jax.weights.checkpoint import load_checkpoint
+    from metrale_jax.weights.orbax_store import save_orbax
+    ckpt = load_checkpoint(args.src, args.dtype)
+    out = save_orbax(ckpt, args.dst)
+    print(out)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generates from one prompt, streaming text to stdout (or one JSON Completion)."""
+    from metrale_jax import LLM
+    from metrale_jax.scheduler import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, max_slots=1, max_len=args.max_len)
+    try:
+        if args.chat:
+            messages = [{"role": "user", "content": args.prompt}]
+            if args.json:
+                print(json.dumps(llm.chat(messages, params).to_dict()))
+                return 0
+            stream = llm.stream_chat(messages, params)
+        else:
+            if args.json:
+                print(json.dumps(llm.generate([args.prompt], params)[0].to_dict()))
+                return 0
+            stream = llm.stream(args.prompt, params)
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        llm.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = _Parser(prog="metrale", description="Metrale-JAX: LLM inference on JAX/XLA.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    pull = sub.add_parser("pull", help="fetch the default model (SmolLM2-135M-Instruct GGUF)")
+    pull.set_defaults(func=cmd_pull)
+
+    conv = sub.add_parser("convert", help="convert a checkpoint to Metrale's orbax format")
+    conv.add_argument("src", help="'default', a HF folder, or a .gguf file")
+    conv.add_argument("dst", help="output folder (must not exist)")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="params dtype to store (default float32)")
+    conv.set_defaults(func=cmd_convert)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--model", default="default", help="'default' or a checkpoint path")
+    gen.add_argument("--prompt", default=DEMO_PROMPT, help="the prompt text")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument("--max-len", type=int, default=2048, help="context length (cache size)")
+    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                     help="params and compute dtype (default float32, or an orbax "
+                          "checkpoint's stored dtype)")
+    gen.add_argument("--json", action="store_true", help="print the Completion as JSON")
+    gen.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `metrale` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except MetraleError as e:
+        print(f"metrale: error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("metrale: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a runtime failure: one line, details only with -v
+        log.debug("runtime failure", exc_info=True)
+        print(f"metrale: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

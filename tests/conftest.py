@@ -1,0 +1,26 @@
+"""Shared test setup: JAX's persistent compilation cache and the default-model fixture."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("METRALE_TEST_JAX_CACHE", REPO / ".jax_cache" / "tests"))
+CACHE.mkdir(parents=True, exist_ok=True)
+jax.config.update("jax_compilation_cache_dir", str(CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The default model's GGUF (fetched by `make test` via `metrale pull`)."""
+    from metrale_jax.weights.default_model import default_model_path
+    path = default_model_path()
+    if not path.is_file():
+        pytest.skip(f"default model not in {path}; run `metrale pull`")
+    return path
