@@ -23,7 +23,7 @@ pull: $(VENV)/.installed
 	$(BIN)/metrale pull
 
 serve: pull
-	$(BIN)/metrale generate --model default --chat --max-tokens 64
+	$(BIN)/metrale serve --model default --port $(PORT)
 
 test: $(VENV)/.installed-test
 	$(BIN)/metrale pull

@@ -1,4 +1,4 @@
-"""The `metrale` command line: `pull`, `convert`, `generate` (and `serve` once the server lands).
+"""The `metrale` command line: `pull`, `convert`, `generate` and `serve`.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input (one line on stderr, never a
 traceback).
@@ -91,6 +91,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Runs the OpenAI-compatible HTTP server until SIGTERM/SIGINT; prints its URL when ready."""
+    from serving.server import serve
+    from serving.settings import ServerSettings
+    if args.max_slots < 1 or args.max_len < 2:
+        raise MetraleError("--max-slots must be ≥ 1 and --max-len ≥ 2")
+    options = {}
+    if args.max_prefill_len is not None:
+        options["max_prefill_len"] = args.max_prefill_len
+    settings = ServerSettings(
+        model=args.model, served_model_name=args.served_model_name, host=args.host,
+        port=args.port, max_slots=args.max_slots, max_len=args.max_len, dtype=args.dtype,
+        engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout or None, grace_period=args.grace_period)
+    logging.getLogger("serving").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    print(f"metrale: loading {args.model} ...", file=sys.stderr)
+
+    def ready(url: str) -> None:
+        print(f"metrale: serving {settings.model_name!r} at {url}/v1 (Ctrl-C to stop)",
+              flush=True)
+
+    try:
+        serve(settings, on_ready=ready)
+    except OSError as e:  # the port is taken, or the host is not ours
+        raise MetraleError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    print("metrale: stopped", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = _Parser(prog="metrale", description="Metrale-JAX: LLM inference on JAX/XLA.")
@@ -122,6 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkpoint's stored dtype)")
     gen.add_argument("--json", action="store_true", help="print the Completion as JSON")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    srv.add_argument("--model", default="default", help="'default' or a checkpoint path")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model id clients use (default: the --model argument)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any)")
+    srv.add_argument("--max-slots", type=int, default=8, help="decode slots B")
+    srv.add_argument("--max-len", type=int, default=2048, help="context length S")
+    srv.add_argument("--max-prefill-len", type=int, default=None,
+                     help="largest prefill bucket (a power of two; default the engine's)")
+    srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                     help="params and compute dtype (default float32)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                     help="larger request bodies get 413")
+    srv.add_argument("--request-timeout", type=float, default=600.0,
+                     help="default per-request timeout in seconds (0 = none)")
+    srv.add_argument("--grace-period", type=float, default=30.0,
+                     help="seconds in-flight requests get after SIGTERM")
+    srv.set_defaults(func=cmd_serve)
     return p
 
 

@@ -178,26 +178,32 @@ class Attention(nnx.Module):
                is_sliding: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One decode step with a per-layer cache that is written first, then attended to.
 
-        x: [B, 1, E]; positions: [B] int32 (where this token goes; writes at or past S are
-        dropped); cache_kt: keys transposed `[B, K, D, S]` (so q·k is a plain batched matmul
-        over S); cache_v: `[B, K, S, D]`; is_sliding: static. Returns the output `[B, 1, E]`
-        and both caches with this token written (in place when the caller donates them).
+        x: [B, 1, E]; positions: [B] int32 (where this token goes; a position at or past S,
+        an idle slot, writes at S - 1); cache_kt: keys transposed `[B, K, D, S]` (so q·k is
+        a plain batched matmul over S); cache_v: `[B, K, S, D]`; is_sliding: static.
+        Returns the output `[B, 1, E]` and both caches with this token written (in place when
+        the caller donates them).
         """
         cfg = self.cfg
         B = x.shape[0]
         K, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         q, k, v = self._qkv(x, positions[:, None])
-        b = jnp.arange(B)
         # A position past the cache (an idle slot) overwrites the last entry instead of being
-        # dropped: an in-bounds scatter stays in place on XLA:CPU.
+        # dropped: an in-bounds update stays in place on XLA:CPU.
         w = jnp.minimum(positions, cache_v.shape[2] - 1)
-        cache_kt = cache_kt.at[b, :, :, w].set(k[:, 0].astype(cache_kt.dtype),
-                                               mode="promise_in_bounds", unique_indices=True)
-        cache_v = cache_v.at[b, :, w].set(v[:, 0].astype(cache_v.dtype),
-                                          mode="promise_in_bounds", unique_indices=True)
-        # One materialised buffer for both the attention and the returned cache: without the
-        # barrier XLA:CPU may fuse the update into each consumer and copy the cache per step.
-        cache_kt, cache_v = jax.lax.optimization_barrier((cache_kt, cache_v))
+        new_k, new_v = k[:, 0].astype(cache_kt.dtype), v[:, 0].astype(cache_v.dtype)
+        if B == 1:  # a one-row scatter becomes copies of the cache on XLA:CPU
+            zero = jnp.zeros((), w.dtype)
+            cache_kt = jax.lax.dynamic_update_slice(cache_kt, new_k[..., None],
+                                                    (zero, zero, zero, w[0]))
+            cache_v = jax.lax.dynamic_update_slice(cache_v, new_v[:, :, None],
+                                                   (zero, zero, w[0], zero))
+        else:
+            b = jnp.arange(B)
+            cache_kt = cache_kt.at[b, :, :, w].set(new_k, mode="promise_in_bounds",
+                                                   unique_indices=True)
+            cache_v = cache_v.at[b, :, w].set(new_v, mode="promise_in_bounds",
+                                              unique_indices=True)
         qg = q[:, 0].reshape(B, K, G, D).astype(cache_kt.dtype)
         s = jnp.einsum("bkgd,bkds->bkgs", qg, cache_kt).astype(jnp.float32) * cfg.attention_scale
         if cfg.attn_logit_softcap:

@@ -1,0 +1,210 @@
+"""Engine benchmark on a default-model-shaped config (SmolLM2-135M: llama, 30 layers, E 576).
+
+Random weights (speed does not depend on them). Prints one table: prefill tokens/s per
+bucket, decode tokens/s at 1/4/8/16 concurrent requests (in an engine of `--slots` slots, and
+in one sized to the concurrency), time to first token, warmup cold (empty persistent cache) and
+warm, and transformers' greedy `generate` (torch, CPU, float32) at batch 1 and 16.
+
+    .venv/bin/python bench/engine.py                     # the full table (a few minutes)
+    .venv/bin/python bench/engine.py --max-len 512 --steps 8 --no-hf --no-warmup
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.engine import Engine, EngineConfig, SlotSettings
+from metrale_jax.models.transformer import Transformer
+
+DEFAULT_SHAPE = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                            rope_theta=100000.0, tie_word_embeddings=True,
+                            max_position_embeddings=8192)
+
+
+def random_model(cfg: ModelConfig = DEFAULT_SHAPE):
+    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def engine_config(args, slots: int, cache_dir: str | None) -> EngineConfig:
+    return EngineConfig(max_slots=slots, max_len=args.max_len, max_prefill_len=args.max_prefill,
+                        max_prefill_batch=min(args.prefill_batch, slots),
+                        decode_steps=args.decode_steps, compilation_cache_dir=cache_dir)
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of `fn()` (which must block) over `repeat` runs after one warm run."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def decode_rate(engine: Engine, active: int, steps: int) -> float:
+    """Aggregate decode tokens/s with `active` slots busy."""
+    state = engine.init_decode_state()
+    items = [(s, [1] * 16, SlotSettings()) for s in range(active)]
+    state, _ = engine.add(state, items)
+    for _ in range(2):
+        state, out = engine.step(state)
+    jax.block_until_ready(out.tokens)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, out = engine.step(state)
+    jax.block_until_ready(out.tokens)
+    dt = time.perf_counter() - t0
+    return active * steps * engine.config.decode_steps / dt
+
+
+def warmup_only(args) -> None:
+    """Child process: builds an engine and prints its warmup seconds as JSON."""
+    graphdef, params = random_model()
+    engine = Engine(DEFAULT_SHAPE, graphdef, params,
+                    engine_config(args, args.slots, args.cache_dir))
+    seconds = engine.warmup()
+    print(json.dumps({"warmup_s": seconds, "programs": engine.compile_count}))
+
+
+def warmup_times(args) -> tuple[float, float, int]:
+    with tempfile.TemporaryDirectory() as folder:
+        out = []
+        for _ in range(2):
+            cmd = [sys.executable, __file__, "--warmup-only", "--cache-dir", folder,
+                   "--slots", str(args.slots), "--max-len", str(args.max_len),
+                   "--max-prefill", str(args.max_prefill),
+                   "--prefill-batch", str(args.prefill_batch),
+                   "--decode-steps", str(args.decode_steps)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out[0]["warmup_s"], out[1]["warmup_s"], out[0]["programs"]
+
+
+def hf_rate(batch: int, new_tokens: int) -> float:
+    import torch
+    import transformers
+    c = DEFAULT_SHAPE
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+        tie_word_embeddings=True, max_position_embeddings=c.max_position_embeddings)
+    torch.manual_seed(0)
+    torch.set_flush_denormal(True)  # random-init activations are tiny; denormals are slow
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.ones((batch, 16), dtype=torch.long)
+    kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-prefill", type=int, default=512)
+    p.add_argument("--prefill-batch", type=int, default=4)
+    p.add_argument("--decode-steps", type=int, default=1, help="k steps per generate call")
+    p.add_argument("--steps", type=int, default=16, help="timed generate calls per figure")
+    p.add_argument("--concurrency", default="1,4,8,16")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-sized", action="store_true", help="skip engines sized to each figure")
+    p.add_argument("--warmup-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--hf-only", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", default=None)
+    args = p.parse_args()
+    if args.warmup_only:
+        warmup_only(args)
+        return
+    if args.hf_only:
+        print(json.dumps({"rate": hf_rate(args.hf_only, max(8, args.steps))}))
+        return
+
+    rows: list[tuple[str, str]] = []
+    cache_dir = args.cache_dir or str(Path(tempfile.gettempdir()) / "metrale-bench-cache")
+    graphdef, params = random_model()
+    engine = Engine(DEFAULT_SHAPE, graphdef, params, engine_config(args, args.slots, cache_dir))
+    t0 = time.perf_counter()
+    engine.warmup()
+    rows.append(("warmup (this run's cache)", f"{time.perf_counter() - t0:.1f} s, "
+                 f"{engine.compile_count} programs"))
+    cfg = engine.config
+    for P in cfg.prefill_buckets:
+        for Bp in sorted({1, cfg.max_prefill_batch}):
+            tokens = np.ones((Bp, P), np.int32)
+            lengths = np.full(Bp, P, np.int32)
+            from metrale_jax.engine.state import settings_to_arrays
+            sampling = settings_to_arrays([SlotSettings()] * Bp, Bp)
+            dt = timed(lambda t=tokens, ln=lengths, s=sampling: jax.block_until_ready(
+                engine.prefill(engine.params, t, ln, s).first.tokens), 3 if P < 256 else 1)
+            rows.append((f"prefill P={P} batch {Bp}", f"{Bp * P / dt:,.0f} tok/s "
+                         f"({dt * 1000:.0f} ms)"))
+
+    def ttft() -> None:
+        state = engine.init_decode_state()
+        jax.block_until_ready(state.positions)
+        t0 = time.perf_counter()
+        state, first = engine.add(state, [(0, [1] * 100, SlotSettings())])
+        np.asarray(first.tokens)
+        times.append(time.perf_counter() - t0)
+
+    times: list[float] = []
+    for _ in range(4):
+        ttft()
+    rows.append(("time to first token (100-token prompt)", f"{np.median(times[1:]) * 1000:.0f} ms"))
+
+    concurrency = [int(c) for c in args.concurrency.split(",") if int(c) <= args.slots]
+    ours: dict[int, float] = {}
+    for c in concurrency:
+        r = decode_rate(engine, c, args.steps)
+        ours[c] = r
+        line = f"{r:,.1f} tok/s"
+        if not args.no_sized and c != args.slots:
+            sized = Engine(DEFAULT_SHAPE, graphdef, params, engine_config(args, c, cache_dir))
+            rs = decode_rate(sized, c, args.steps)
+            ours[c] = rs
+            line += f"   (engine of {c} slots: {rs:,.1f} tok/s)"
+        rows.append((f"decode, {c} concurrent, {args.slots} slots, S={args.max_len}", line))
+    if not args.no_warmup:
+        cold, warm, n = warmup_times(args)
+        rows.append(("warmup cold (empty cache)", f"{cold:.1f} s ({n} programs)"))
+        rows.append(("warmup warm (persistent cache)", f"{warm:.1f} s"))
+    if not args.no_hf:
+        for b in (1, 16):
+            if b in ours:
+                # A fresh process: torch would share the two cores with JAX's thread pools.
+                res = subprocess.run([sys.executable, __file__, "--hf-only", str(b),
+                                      "--steps", str(args.steps)], capture_output=True,
+                                     text=True, check=True)
+                hf = json.loads(res.stdout.strip().splitlines()[-1])["rate"]
+                rows.append((f"transformers generate batch {b}",
+                             f"{hf:,.1f} tok/s; engine/transformers = {ours[b] / hf:.2f}x"))
+    width = max(len(k) for k, _ in rows)
+    print(f"Metrale-JAX engine, {DEFAULT_SHAPE.architecture} default-model shape, "
+          f"{jax.devices()[0].platform}, float32, decode_steps={args.decode_steps}")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    main()

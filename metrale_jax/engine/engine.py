@@ -1,0 +1,315 @@
+"""`Engine`: the compiled steps over a fixed grid of shapes, and the host API that feeds them.
+
+Compiled programs (each compiled once, ahead of time, and kept in `self._compiled`):
+- `prefill` per (bucket P, prefill batch Bp): prompts -> `Prefix` (KV of the prompt and the
+  first token, sampled with the slot's settings, so time to first token is one prefill);
+- `insert` per (P, Bp): a prefix into the slots of the donated `DecodeState`;
+- `chunk` (P = max_prefill_len, one prompt): a chunk of a prompt longer than the largest
+  bucket, prefilled straight into its slot's cache, attending to the earlier chunks there;
+- `generate`: `decode_steps` decode steps of every slot, state donated;
+- `init`: an empty `DecodeState`.
+`warmup()` compiles them all; afterwards `compile_count` stays flat for any request mix (every
+request parameter is data). JAX's persistent compilation cache (EngineConfig.
+compilation_cache_dir) makes a second start fast.
+
+Host API for the batching loop: `add(state, items) -> (state, first)` and
+`step(state) -> (state, out)`; both return small `StepOutput`s to copy asynchronously.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.engine import steps
+from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.sampling import SamplingState
+from metrale_jax.engine.sharding import make_mesh, named_sharding
+from metrale_jax.engine.state import (
+    SLOT_AXES,
+    DecodeState,
+    SlotSettings,
+    StepOutput,
+    settings_to_arrays,
+)
+from metrale_jax.errors import ContextLengthError, InvalidParameterError
+from metrale_jax.models.unrolled import (
+    LAYER_KEY_AXES,
+    LAYER_VALUE_AXES,
+    LayerCache,
+    LayerParams,
+    split_layers,
+)
+
+log = logging.getLogger(__name__)
+
+Item = tuple[int, Sequence[int], SlotSettings]
+"""One prompt for `Engine.add`: (slot, prompt token ids, settings)."""
+
+
+def enable_compilation_cache(folder: str | None) -> None:
+    """Turns on JAX's persistent compilation cache in `folder` for every compile, small or fast
+    ones included (CPU compiles are quick but many). None leaves the setting alone."""
+    if folder is None:
+        return
+    folder = os.path.expanduser(folder)
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings where known) of a pytree of arrays."""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(one, tree)
+
+
+def _spec(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+class Engine:
+    """Compiled prefill/insert/decode for one model over the shapes of an `EngineConfig`.
+
+    Args:
+        model_config: the architecture.
+        graphdef, params: the split NNX `Transformer` (params are cast to `engine_config.dtype`
+            and split per layer once; `engine.params` is that `LayerParams`).
+        engine_config: slots, lengths, buckets, dtypes.
+    Attributes:
+        config, model_config, params; compile_count: programs compiled so far.
+    """
+
+    def __init__(self, model_config: ModelConfig, graphdef: nnx.GraphDef, params: LayerParams,
+                 engine_config: EngineConfig | None = None):
+        cfg = engine_config or EngineConfig()
+        self.config = cfg
+        self.model_config = model_config
+        enable_compilation_cache(cfg.compilation_cache_dir)
+        dtype = jnp.dtype(cfg.dtype)
+        self.cache_dtype = jnp.dtype(cfg.resolved_cache_dtype)
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        # Per-layer params (models.unrolled): the stacked copy is dropped once split.
+        self.graph, self.params = split_layers(graphdef, params)
+        del params
+        self.mesh = make_mesh()
+        self.compile_count = 0
+        self._compiled: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+        N, B = cfg.num_top_logprobs, cfg.max_slots
+        self.state_shardings = self._state_shardings()
+        self._jit_init = jax.jit(
+            functools.partial(steps.init_state, model_config, B, cfg.max_len, self.cache_dtype),
+            out_shardings=self.state_shardings)
+        self._jit_prefill = jax.jit(
+            functools.partial(steps.prefill_step, self.graph, N, self.cache_dtype))
+        self._jit_insert = jax.jit(steps.insert_step, donate_argnums=(1, 4))
+        self._jit_chunk = jax.jit(functools.partial(steps.chunk_step, self.graph, N),
+                                  donate_argnums=(1, 2))
+        self._jit_generate = jax.jit(
+            functools.partial(steps.generate_step, self.graph, N, cfg.decode_steps),
+            donate_argnums=(1,))
+        self._state_spec = _abstract(jax.eval_shape(self._jit_init))
+        self._state_spec = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            self._state_spec, self.state_shardings)
+        self._params_spec = _abstract(self.params)
+        self._first_spec = StepOutput(_spec((1, B), jnp.int32), _spec((1, B), jnp.float32),
+                                      _spec((1, B, N), jnp.int32), _spec((1, B, N), jnp.float32))
+
+    # ---- compiled programs -------------------------------------------------------------
+    def _state_shardings(self) -> DecodeState:
+        slots = named_sharding(SLOT_AXES, self.mesh)
+        kt = named_sharding(LAYER_KEY_AXES, self.mesh)
+        v = named_sharding(LAYER_VALUE_AXES, self.mesh)
+        keys = named_sharding((*SLOT_AXES, None), self.mesh)
+        L = self.model_config.num_layers
+        return DecodeState(
+            cache=LayerCache((kt,) * L, (v,) * L), positions=slots, tokens=slots, steps=slots,
+            sampling=SamplingState(slots, slots, slots, slots, keys))
+
+    def _executable(self, key: tuple, fn, *specs):
+        exe = self._compiled.get(key)
+        if exe is not None:
+            return exe
+        t0 = time.perf_counter()
+        exe = fn.lower(*specs).compile()
+        with self._lock:
+            if key not in self._compiled:
+                self._compiled[key] = exe
+                self.compile_count += 1
+        log.info("compiled %s in %.2f s", key, time.perf_counter() - t0)
+        return self._compiled[key]
+
+    def _sampling_spec(self, rows: int) -> SamplingState:
+        f, i = jnp.float32, jnp.int32
+        return SamplingState(_spec((rows,), f), _spec((rows,), i), _spec((rows,), f),
+                             _spec((rows,), f), _spec((rows, 2), jnp.uint32))
+
+    def _prefill_exe(self, P: int, Bp: int):
+        i32 = jnp.int32
+        return self._executable(("prefill", P, Bp), self._jit_prefill, self._params_spec,
+                                _spec((Bp, P), i32), _spec((Bp,), i32), self._sampling_spec(Bp))
+
+    def _insert_exe(self, P: int, Bp: int):
+        prefix = jax.eval_shape(self._jit_prefill, self._params_spec, _spec((Bp, P), jnp.int32),
+                                _spec((Bp,), jnp.int32), self._sampling_spec(Bp))
+        return self._executable(("insert", P, Bp), self._jit_insert, prefix, self._state_spec,
+                                _spec((Bp,), jnp.int32), _spec((Bp,), jnp.int32),
+                                self._first_spec)
+
+    def _chunk_exe(self):
+        P, i32 = self.config.max_prefill_len, jnp.int32
+        scalar = _spec((), i32)
+        return self._executable(("chunk", P), self._jit_chunk, self._params_spec,
+                                self._state_spec, self._first_spec, scalar, scalar,
+                                _spec((1, P), i32), scalar, scalar, self._sampling_spec(1))
+
+    def _generate_exe(self):
+        return self._executable(("generate", self.config.decode_steps), self._jit_generate,
+                                self._params_spec, self._state_spec)
+
+    def _init_exe(self):
+        return self._executable(("init",), self._jit_init)
+
+    def warmup(self, workers: int = 2) -> float:
+        """Compiles every program (all buckets and prefill batch sizes); returns seconds."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        jobs = [self._init_exe, self._generate_exe, self._chunk_exe]
+        for P in cfg.prefill_buckets:
+            for Bp in cfg.prefill_batch_sizes:
+                jobs.append(functools.partial(self._prefill_exe, P, Bp))
+                jobs.append(functools.partial(self._insert_exe, P, Bp))
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for f in [pool.submit(job) for job in jobs]:
+                f.result()
+        seconds = time.perf_counter() - t0
+        log.info("warmup: %d programs in %.1f s", self.compile_count, seconds)
+        return seconds
+
+    # ---- the engine contract -----------------------------------------------------------
+    def init_decode_state(self) -> DecodeState:
+        """An empty `DecodeState` (all slots idle, greedy)."""
+        return self._init_exe()()
+
+    def empty_first(self) -> StepOutput:
+        """A zero `StepOutput [1, B]` for `insert`/`prefill_chunk` to write first tokens into."""
+        return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)),
+                            self._first_spec)
+
+    def prefill(self, params: LayerParams, tokens: np.ndarray, lengths: np.ndarray,
+                sampling: SamplingState) -> steps.Prefix:
+        """Prefills `Bp` prompts of one bucket. tokens: [Bp, P] int32 (P a bucket, Bp a
+        prefill batch size); lengths: [Bp] int32 in 1..P; sampling: [Bp] rows (see
+        `settings_to_arrays`). Returns the `Prefix` (first tokens sampled)."""
+        Bp, P = tokens.shape
+        return self._prefill_exe(P, Bp)(params, tokens, lengths, sampling)
+
+    def insert(self, prefix: steps.Prefix, state: DecodeState, slots: np.ndarray,
+               cols: np.ndarray | None = None,
+               first: StepOutput | None = None) -> tuple[DecodeState, StepOutput]:
+        """Puts `prefix` row b into slot `slots[b]` (B = padding, dropped); state donated.
+        Its first token goes to column `cols[b]` (default `slots`) of `first` ([1, B],
+        donated; default a fresh one). Returns (state, first)."""
+        Bp, P = prefix.cache.k.shape[1], prefix.cache.k.shape[3]  # k: [L, Bp, K, P, D]
+        slots = np.asarray(slots, np.int32)
+        cols = slots if cols is None else np.asarray(cols, np.int32)
+        first = self.empty_first() if first is None else first
+        return self._insert_exe(P, Bp)(prefix, state, slots, cols, first)
+
+    def prefill_chunk(self, params: LayerParams, state: DecodeState, first: StepOutput, slot: int,
+                      col: int, tokens: np.ndarray, start: int, length: int,
+                      sampling: SamplingState) -> tuple[DecodeState, StepOutput]:
+        """One `max_prefill_len` chunk of a long prompt into `slot` (see `steps.chunk_step`)."""
+        i32 = np.int32
+        return self._chunk_exe()(params, state, first, i32(slot), i32(col), tokens, i32(start),
+                                 i32(length), sampling)
+
+    def generate(self, params: LayerParams, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+        """`decode_steps` decode steps of every slot; state donated. Out: StepOutput [k, B]."""
+        return self._generate_exe()(params, state)
+
+    # ---- host API ------------------------------------------------------------------------
+    def check_prompt(self, n: int) -> None:
+        """Raises if a prompt of `n` tokens cannot be prefilled into a slot."""
+        limit = self.config.max_len - 1
+        if n < 1:
+            raise InvalidParameterError("the prompt is empty", param="messages")
+        if n > limit:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens, but this engine holds at most {limit} prompt "
+                f"tokens (max_len {self.config.max_len} minus one for the first generated token)")
+
+    def add(self, state: DecodeState, items: Sequence[Item]) -> tuple[DecodeState, StepOutput]:
+        """Prefills prompts into slots and samples their first tokens.
+
+        items: (slot, prompt ids, SlotSettings) with distinct slots. Prompts up to
+        `max_prefill_len` are grouped by bucket into padded batches of the prefill batch
+        sizes; longer ones are prefilled in chunks. state is donated. Returns the new state and
+        `first: StepOutput [1, B]` whose column i is item i's first token (columns
+        >= len(items) are zeros).
+        """
+        cfg, B = self.config, self.config.max_slots
+        if len(items) > B:
+            raise InvalidParameterError(f"{len(items)} prompts for {B} slots", param="slots")
+        seen: set[int] = set()
+        for slot, ids, _ in items:
+            if not 0 <= slot < B or slot in seen:
+                raise InvalidParameterError(f"bad or repeated slot {slot}", param="slots")
+            seen.add(slot)
+            self.check_prompt(len(ids))
+        first = self.empty_first()
+        by_bucket: dict[int, list[int]] = {}
+        long: list[int] = []
+        for i, (_, ids, _) in enumerate(items):
+            if len(ids) <= cfg.max_prefill_len:
+                by_bucket.setdefault(cfg.bucket_for(len(ids)), []).append(i)
+            else:
+                long.append(i)
+        for P, idx in sorted(by_bucket.items()):
+            for j in range(0, len(idx), cfg.max_prefill_batch):
+                group = idx[j:j + cfg.max_prefill_batch]
+                Bp = cfg.batch_size_for(len(group))
+                tokens = np.zeros((Bp, P), np.int32)
+                lengths = np.ones(Bp, np.int32)
+                slots = np.full(Bp, B, np.int32)
+                cols = np.full(Bp, B, np.int32)
+                for r, i in enumerate(group):
+                    slot, ids, _ = items[i]
+                    tokens[r, :len(ids)] = ids
+                    lengths[r], slots[r], cols[r] = len(ids), slot, i
+                sampling = settings_to_arrays([items[i][2] for i in group], Bp)
+                prefix = self.prefill(self.params, tokens, lengths, sampling)
+                state, first = self.insert(prefix, state, slots, cols, first)
+        P = cfg.max_prefill_len
+        for i in long:
+            slot, ids, settings = items[i]
+            ids = np.asarray(ids, np.int32)
+            sampling = settings_to_arrays([settings], 1)
+            for start in range(0, len(ids), P):
+                chunk = ids[start:start + P]
+                tokens = np.zeros((1, P), np.int32)
+                tokens[0, :len(chunk)] = chunk
+                state, first = self.prefill_chunk(self.params, state, first, slot, i, tokens,
+                                                  start, len(chunk), sampling)
+        return state, first
+
+    def step(self, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+        """`generate` with the engine's params: state donated; StepOutput [k, B]."""
+        return self.generate(self.params, state)

@@ -1,0 +1,161 @@
+"""The pure functions the engine compiles: prefill, insert, chunked prefill, decode, init.
+
+Each takes params and state as arguments (never closed over); the static parts (the model's
+`LayerGraph`, N top logprobs, k decode steps, shapes) are bound with `functools.partial` before
+`jax.jit`. The model runs unrolled over per-layer params (`models.unrolled`): on XLA:CPU a layer
+scan copies every layer's weights and cache out of the stacked arrays at each step.
+Shapes use the letters of DESIGN.md: `Bp` prefill batch, `P` prefill bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.engine.sampling import SampleResult, SamplingState, sample
+from metrale_jax.engine.state import DecodeState, StepOutput
+from metrale_jax.models.kv_cache import KVCache
+from metrale_jax.models.unrolled import (
+    LayerCache,
+    LayerGraph,
+    LayerParams,
+    decode_layers,
+    forward_layers,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A prefilled batch of prompts, ready for `insert`.
+
+    cache: KVCache k/v `[L, Bp, K, P, D]` of the prompt tokens (positions 0 .. P-1);
+    lengths: [Bp] int32, the true prompt lengths; first: StepOutput `[1, Bp]`, the token
+    sampled (step 0) from each prompt's last logits; sampling: the rows' `SamplingState`.
+    """
+
+    cache: KVCache
+    lengths: jax.Array
+    first: StepOutput
+    sampling: SamplingState
+
+
+def _as_output(res: SampleResult) -> StepOutput:
+    """A `SampleResult` of [B] arrays as a one-step `StepOutput` ([1, B])."""
+    return StepOutput(res.tokens[None], res.logprobs[None], res.top_ids[None],
+                      res.top_logprobs[None])
+
+
+def init_state(cfg: ModelConfig, slots: int, length: int, cache_dtype: jnp.dtype) -> DecodeState:
+    """An empty decode state: greedy slots at position 0 and a zero `LayerCache`."""
+    zeros = jnp.zeros((slots,), jnp.int32)
+    return DecodeState(
+        cache=LayerCache.zeros(cfg, slots, length, cache_dtype), positions=zeros, tokens=zeros,
+        steps=zeros,
+        sampling=SamplingState(
+            temperature=jnp.zeros((slots,), jnp.float32), top_k=zeros,
+            top_p=jnp.ones((slots,), jnp.float32), min_p=jnp.zeros((slots,), jnp.float32),
+            keys=jnp.zeros((slots, 2), jnp.uint32)))
+
+
+def prefill_step(graph: LayerGraph, num_top: int, cache_dtype: jnp.dtype, params: LayerParams,
+                 tokens: jax.Array, lengths: jax.Array, sampling: SamplingState) -> Prefix:
+    """Runs `Bp` prompts and samples each one's first token.
+
+    tokens: [Bp, P] int32, prompt b in `tokens[b, :lengths[b]]` (padding after it is never
+    attended to by real tokens); lengths: [Bp] int32 in 1 .. P; sampling: [Bp] rows.
+    """
+    Bp, P = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (Bp, P))
+    logits, kv = forward_layers(graph, params, tokens, positions, None, lengths - 1)
+    res = sample(logits, sampling, jnp.zeros((Bp,), jnp.int32), num_top)
+    kv = KVCache(kv.k.astype(cache_dtype), kv.v.astype(cache_dtype))
+    return Prefix(kv, lengths, _as_output(res), sampling)
+
+
+def insert_step(prefix: Prefix, state: DecodeState, slots: jax.Array, cols: jax.Array,
+                first: StepOutput) -> tuple[DecodeState, StepOutput]:
+    """Writes a prefix into the decode state (donated) at `slots: [Bp] int32`.
+
+    Row b goes to slot `slots[b]` and its first token to column `cols[b]` of `first`
+    (`[1, B]`, donated); an index equal to B (padding rows) is dropped.
+    """
+    P = prefix.cache.k.shape[3]
+    kt = tuple(c.at[slots, :, :, :P].set(new.swapaxes(-1, -2).astype(c.dtype), mode="drop")
+               for c, new in zip(state.cache.kt, prefix.cache.k, strict=True))
+    v = tuple(c.at[slots, :, :P].set(new.astype(c.dtype), mode="drop")
+              for c, new in zip(state.cache.v, prefix.cache.v, strict=True))
+    cache = LayerCache(kt, v)
+    state = DecodeState(
+        cache=cache,
+        positions=state.positions.at[slots].set(prefix.lengths, mode="drop"),
+        tokens=state.tokens.at[slots].set(prefix.first.tokens[0], mode="drop"),
+        steps=state.steps.at[slots].set(1, mode="drop"),
+        sampling=state.sampling.set_rows(slots, prefix.sampling))
+    first = jax.tree.map(lambda a, b: a.at[:, cols].set(b, mode="drop"), first, prefix.first)
+    return state, first
+
+
+def chunk_step(graph: LayerGraph, num_top: int, params: LayerParams, state: DecodeState,
+               first: StepOutput, slot: jax.Array, col: jax.Array, tokens: jax.Array,
+               start: jax.Array, length: jax.Array,
+               sampling: SamplingState) -> tuple[DecodeState, StepOutput]:
+    """One chunk of a long prompt, prefilled straight into slot `slot`'s cache.
+
+    tokens: [1, P] int32 at positions `start .. start + P - 1`, of which the first
+    `length` are real; the chunk attends to the slot's cache below `start` (earlier chunks).
+    The slot ends at position `start + length` with its first token sampled from the chunk's
+    last real token: after the final chunk it is ready to decode. state and first (`[1, B]`,
+    column `col` written) are donated. slot, col, start, length: int32 scalars.
+    """
+    P = tokens.shape[1]
+    # The slot's cache as a one-row KVCache [L, 1, K, S, D] (a copy: chunks are rare and long).
+    take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=0)
+    sub = KVCache(jnp.stack([take(c).swapaxes(-1, -2) for c in state.cache.kt]),
+                  jnp.stack([take(c) for c in state.cache.v]))
+    positions = (start + jnp.arange(P, dtype=jnp.int32))[None]
+    logits, sub = forward_layers(graph, params, tokens, positions, sub, (length - 1)[None])
+    res = sample(logits, sampling, jnp.zeros((1,), jnp.int32), num_top)
+    rows = slot[None]
+    put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=slot, axis=0)
+    kt = tuple(put(c, sub.k[i].swapaxes(-1, -2).astype(c.dtype))
+               for i, c in enumerate(state.cache.kt))
+    v = tuple(put(c, sub.v[i].astype(c.dtype)) for i, c in enumerate(state.cache.v))
+    state = DecodeState(
+        cache=LayerCache(kt, v),
+        positions=state.positions.at[rows].set(start + length),
+        tokens=state.tokens.at[rows].set(res.tokens),
+        steps=state.steps.at[rows].set(1),
+        sampling=state.sampling.set_rows(rows, sampling))
+    out = _as_output(res)
+    first = jax.tree.map(lambda a, b: a.at[:, col[None]].set(b), first, out)
+    return state, first
+
+
+def generate_step(graph: LayerGraph, num_top: int, decode_steps: int, params: LayerParams,
+                  state: DecodeState) -> tuple[DecodeState, StepOutput]:
+    """`decode_steps` decode steps for every slot; state donated.
+
+    Each step feeds `tokens [B]` at `positions [B]`, writes their keys and values into the
+    cache, samples the next token with key `fold_in(keys[b], steps[b])`, and advances
+    positions (capped at S: an idle slot's writes past the cache are dropped) and steps.
+    Returns the new state and StepOutput `[k, B]`.
+    """
+    S = state.cache.length
+
+    def one(state: DecodeState) -> tuple[DecodeState, SampleResult]:
+        logits, cache = decode_layers(graph, params, state.tokens, state.positions, state.cache)
+        res = sample(logits, state.sampling, state.steps, num_top)
+        new = DecodeState(cache, jnp.minimum(state.positions + 1, S), res.tokens,
+                          state.steps + 1, state.sampling)
+        return new, res
+
+    if decode_steps == 1:
+        state, res = one(state)
+        return state, _as_output(res)
+    state, res = jax.lax.scan(lambda s, _: one(s), state, None, length=decode_steps)
+    return state, StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)

@@ -1,0 +1,80 @@
+"""Prometheus metrics under vLLM's names with a `metrale:` prefix, one registry per app.
+
+Counters and histograms are updated by the request handlers; the gauges of slots, queue and
+compiles are read from the scheduler at scrape time (a custom collector), so they are never
+stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "metrale:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class _SchedulerCollector(Collector):
+    """Gauges read from `snapshot()` of the scheduler at scrape time."""
+
+    def __init__(self, runtime: Callable[[], Any]):
+        self._runtime = runtime
+
+    def collect(self) -> Iterator[Any]:
+        runtime = self._runtime()
+        scheduler = getattr(runtime, "scheduler", None)
+        snap = scheduler.snapshot() if scheduler is not None else {"slots": [], "waiting": 0}
+        used = sum(1 for s in snap["slots"] if s is not None)
+        total = len(snap["slots"]) or getattr(runtime.settings, "max_slots", 0)
+        compiles = scheduler.engine.compile_count if scheduler is not None else 0
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+        yield gauge("num_requests_running", "Requests in decode slots.", used)
+        yield gauge("num_requests_waiting", "Requests waiting for a slot.", snap["waiting"])
+        yield gauge("slots_used", "Decode slots in use.", used)
+        yield gauge("slots_total", "Decode slots of the engine.", total)
+        yield CounterMetricFamily(PREFIX + "compiles", "Programs compiled by the engine.",
+                                  value=compiles)
+
+
+class Metrics:
+    """The app's metrics, in their own `CollectorRegistry` (several apps per process are ok)."""
+
+    def __init__(self, runtime: Callable[[], Any]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests_active = Gauge(PREFIX + "requests_active",
+                                     "Generation requests accepted and not yet answered.",
+                                     registry=r)
+        self.request_success = Counter(PREFIX + "request_success",
+                                       "Finished generations, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.",
+                                     registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.",
+                                         registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Time between consecutive generated tokens.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from arrival to the last byte of the answer.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        r.register(_SchedulerCollector(runtime))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

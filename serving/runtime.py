@@ -1,0 +1,161 @@
+"""`ModelRuntime`: the loaded model, its scheduler and text helpers, as the HTTP layer sees it.
+
+Loading (weights, engine, warmup) runs in a worker thread started by `start()`; the event loop
+keeps answering (/health is 503) until `state` is "ready". Nothing here runs JAX on the event
+loop: the scheduler's thread owns the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from metrale_jax.errors import ChatTemplateError, MetraleError
+from serving.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+STATES = ("starting", "loading", "warming_up", "ready", "failed", "draining", "stopped")
+
+
+class ModelRuntime:
+    """One served model: checkpoint, tokenizer, chat template and `Scheduler`.
+
+    state: one of STATES. error: the loading failure, when state is "failed".
+    """
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.state = "starting"
+        self.error: BaseException | None = None
+        self.checkpoint: Any = None
+        self.scheduler: Any = None
+        self.created = int(time.time())
+        self._template: Any = None
+        self._token_strs: dict[int, str] = {}
+        self._loaded = threading.Event()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> threading.Thread:
+        """Starts loading and warmup in a background thread."""
+        thread = threading.Thread(target=self._load, name="metrale-load", daemon=True)
+        thread.start()
+        return thread
+
+    def _load(self) -> None:
+        from metrale_jax.engine import Engine, EngineConfig
+        from metrale_jax.scheduler import Scheduler
+        from metrale_jax.weights.checkpoint import load_checkpoint
+        s = self.settings
+        try:
+            self.state = "loading"
+            log.info("loading %s", s.model)
+            ckpt = load_checkpoint(s.model, s.dtype)
+            self.checkpoint = ckpt
+            options = dict(s.engine_options)
+            # EngineConfig's default prefill batch (4) must not exceed the slots.
+            options.setdefault("max_prefill_batch", min(4, s.max_slots))
+            config = EngineConfig(max_slots=s.max_slots, max_len=s.max_len, dtype=ckpt.dtype,
+                                  **options)
+            engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params, config)
+            self.state = "warming_up"
+            self.scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
+                                       max_waiting=s.max_waiting, warmup=s.warmup)
+            self.scheduler.wait_ready()
+            if self.state == "warming_up":
+                self.state = "ready"
+            log.info("ready: %s (%d programs compiled)", s.model_name, engine.compile_count)
+        except BaseException as e:
+            log.error("loading %s failed: %s", s.model, e, exc_info=not isinstance(
+                e, MetraleError))
+            self.error = e
+            self.state = "failed"
+        finally:
+            self._loaded.set()
+
+    async def wait_loaded(self) -> None:
+        """Waits (without blocking the loop) until loading has succeeded or failed."""
+        await asyncio.to_thread(self._loaded.wait)
+
+    @property
+    def ready(self) -> bool:
+        """True when requests are served."""
+        return self.state == "ready"
+
+    def stop(self) -> None:
+        """Stops the scheduler: every in-flight request ends with Cancelled("shutdown")."""
+        if self.state != "failed":
+            self.state = "stopped"
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    # ---- model facts -------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self.checkpoint.tokenizer
+
+    @property
+    def max_len(self) -> int:
+        """The context length S."""
+        return self.settings.max_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The generation config's eos ids, else the model's, else the tokenizer's."""
+        ckpt = self.checkpoint
+        gen = ckpt.generation_config.get("eos_token_id")
+        if gen is not None:
+            return tuple(gen) if isinstance(gen, list) else (int(gen),)
+        return tuple(ckpt.config.eos_token_ids) or tuple(ckpt.tokenizer.eos_token_ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """`system_fingerprint`: the backend configuration (changes when outputs may)."""
+        dtype = self.checkpoint.dtype if self.checkpoint is not None else "none"
+        return f"fp_metrale_{dtype}_{self.settings.max_slots}x{self.settings.max_len}"
+
+    def model_card(self) -> dict[str, Any]:
+        """The /v1/models entry of the served model."""
+        card: dict[str, Any] = {"id": self.settings.model_name, "object": "model",
+                                "created": self.created, "owned_by": "metrale",
+                                "root": str(self.settings.model), "parent": None,
+                                "max_model_len": self.max_len}
+        return card
+
+    # ---- text --------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, **kwargs: Any) -> str:
+        """Renders `messages` with the model's chat template (raises ChatTemplateError)."""
+        if self._template is None:
+            from metrale_jax.text import ChatTemplate
+            source = self.checkpoint.chat_template
+            if not source:
+                raise ChatTemplateError(f"model {self.settings.model_name!r} has no chat "
+                                        "template; use /v1/completions")
+            tok = self.tokenizer
+            self._template = ChatTemplate(source, bos_token=tok.bos_token,
+                                          eos_token=tok.eos_token)
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools, **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Chat prompt ids: the rendered template, encoded without extra special tokens."""
+        return self.tokenizer.encode(self.render_chat(messages, **kwargs),
+                                     add_special_tokens=False)
+
+    def token_str(self, token_id: int) -> str:
+        """One token's text (special tokens included), cached."""
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_strs[token_id] = text
+        return text
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

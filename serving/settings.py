@@ -1,0 +1,45 @@
+"""`ServerSettings`: everything `create_app` and `serve` need, in one frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """How the HTTP server loads its model and talks to clients.
+
+    model: "default", a HF folder, a .gguf file or an orbax checkpoint (`load_checkpoint`).
+    served_model_name: the id clients send as `model` and /v1/models lists (None = `model`).
+    host, port: where Hypercorn listens (port 0 = any free port).
+    max_slots, max_len, dtype: the engine's decode slots B, context length S and dtype.
+    engine_options: further `EngineConfig` fields (max_prefill_len, decode_steps, ...).
+    max_waiting: bound of the scheduler's waiting queue (beyond it: 503 + Retry-After).
+    api_key: when set, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`.
+    max_body_bytes: request bodies above this get 413.
+    request_timeout: default per-request deadline in seconds (None = none); a request's own
+        `timeout` field overrides it.
+    grace_period: seconds in-flight requests may run after SIGTERM before they are cancelled.
+    warmup: compile every engine shape before /health turns 200.
+    """
+
+    model: str = "default"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_slots: int = 8
+    max_len: int = 2048
+    dtype: str | None = None
+    engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_waiting: int = 256
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout: float | None = 600.0
+    grace_period: float = 30.0
+    warmup: bool = True
+
+    @property
+    def model_name(self) -> str:
+        """The name the served model answers to."""
+        return self.served_model_name or str(self.model)

@@ -1,0 +1,131 @@
+"""The device sampler against a NumPy reference on random logits.
+
+- The drawable set (`kept_mask`) equals the reference set exactly for a grid of
+  temperature/top-k/top-p/min-p settings, peaked and flat logits, on both the candidate path
+  (kept set within `CANDIDATES`) and the full-sort path (top_k or nucleus beyond it).
+- Frequencies of many draws pass a chi-square test against the reference distribution.
+- Greedy rows take the argmax; logprobs and top-N are the model's raw log-softmax.
+- A row's draw depends only on its own logits, key and step, not on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from metrale_jax.engine.sampling import CANDIDATES, SamplingState, kept_mask, sample, seed_to_key
+
+V = 1000
+
+
+def reference_probs(logits: np.ndarray, t: float, k: int, p: float, min_p: float) -> np.ndarray:
+    """The sampling distribution [V] (float64): temperature, top-k, top-p, min-p."""
+    x = logits.astype(np.float64) / t
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    order = np.argsort(-x, kind="stable")
+    k_eff = k if 0 < k < len(x) else len(x)
+    pk = probs[order[:k_eff]]
+    before = np.cumsum(pk) - pk
+    keep = np.zeros(len(x), bool)
+    keep[order[:k_eff][(before < p * pk.sum()) | (p >= 1.0)]] = True  # top_p = 1: off
+    keep &= probs >= min_p * probs.max()
+    out = np.where(keep, probs, 0.0)
+    return out / out.sum()
+
+
+def arrays(rows: list[tuple[float, int, float, float]], seed: int = 0) -> SamplingState:
+    n = len(rows)
+    t, k, p, m = (np.array(c) for c in zip(*rows, strict=True))
+    return SamplingState(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
+                         jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32),
+                         jnp.asarray(np.tile(seed_to_key(seed), (n, 1))))
+
+
+GRID = list(itertools.product(
+    (0.6, 1.0, 1.7),                                          # temperature
+    (0, 1, 5, 50, CANDIDATES, CANDIDATES + 1, 300, V - 1, V, 5000),  # top_k
+    (1.0, 0.97, 0.5, 0.1),                                    # top_p
+    (0.0, 0.02, 0.3),                                         # min_p
+))
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0], ids=["flat", "peaked"])
+def test_kept_set_is_exactly_the_reference(scale):
+    rng = np.random.default_rng(0 if scale < 1 else 1)
+    logits = (scale * rng.standard_normal((len(GRID), V))).astype(np.float32)
+    s = arrays(GRID)
+    x = jnp.asarray(logits) / s.temperature[:, None]
+    got = np.asarray(jax.jit(kept_mask)(x, s))
+    sizes = []
+    for i, (t, k, p, m) in enumerate(GRID):
+        want = reference_probs(logits[i], t, k, p, m) > 0
+        assert (got[i] == want).all(), f"row {i}: t={t} k={k} p={p} min_p={m}"
+        sizes.append(want.sum())
+    # Both paths were exercised: kept sets inside and beyond the candidates.
+    assert min(sizes) == 1 and max(sizes) > CANDIDATES
+
+
+DRAWS = 20000
+CHI_CASES = [(1.0, 0, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 0, 1.0, 0.1),
+             (1.0, 300, 0.9, 0.0), (2.0, 40, 0.7, 0.05)]
+
+
+@pytest.fixture(scope="module")
+def draw_fn():
+    return jax.jit(lambda lg, s, st: sample(lg, s, st, 5))
+
+
+@pytest.mark.parametrize("case", CHI_CASES, ids=str)
+def test_draw_frequencies_chi_square(case, draw_fn):
+    logits = (1.5 * np.random.default_rng(2).standard_normal(V)).astype(np.float32)
+    s = arrays([case] * DRAWS, seed=11)
+    out = draw_fn(jnp.broadcast_to(jnp.asarray(logits), (DRAWS, V)), s,
+                  jnp.arange(DRAWS, dtype=jnp.int32))
+    tokens = np.asarray(out.tokens)
+    probs = reference_probs(logits, *case)
+    assert (probs[tokens] > 0).all(), "drew a token outside the kept set"
+    counts = np.bincount(tokens, minlength=V).astype(np.float64)
+    expected = probs * DRAWS
+    big = expected >= 5  # pool the small bins so the chi-square approximation holds
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    p_value = stats.chisquare(obs, exp).pvalue
+    assert p_value > 1e-4, f"{case}: chi-square p = {p_value:.2e}"
+
+
+def test_greedy_logprobs_and_top(draw_fn):
+    rng = np.random.default_rng(3)
+    logits = (2.0 * rng.standard_normal((4, V))).astype(np.float32)
+    s = arrays([(0.0, 0, 1.0, 0.0), (0.0, 5, 0.5, 0.2), (1.0, 0, 1.0, 0.0), (0.5, 3, 1.0, 0.0)])
+    out = draw_fn(jnp.asarray(logits), s, jnp.zeros(4, jnp.int32))
+    ref_lp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+    tokens = np.asarray(out.tokens)
+    assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()
+    np.testing.assert_allclose(out.logprobs, np.asarray(ref_lp)[np.arange(4), tokens], rtol=1e-6)
+    np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, axis=-1)[:, :5])
+    best = np.sort(np.asarray(ref_lp), axis=-1)[:, ::-1][:, :5]
+    np.testing.assert_allclose(out.top_logprobs, best, rtol=1e-6)
+
+
+def test_row_draw_ignores_the_rest_of_the_batch(draw_fn):
+    rng = np.random.default_rng(4)
+    logits = (0.5 * rng.standard_normal((6, V))).astype(np.float32)
+    rows = [(1.0, 0, 0.99, 0.0), (1.0, 400, 1.0, 0.0), (0.8, 10, 0.9, 0.0), (1.0, 0, 1.0, 0.0),
+            (0.0, 0, 1.0, 0.0), (1.2, 0, 1.0, 0.01)]
+    keys = np.stack([seed_to_key(i) for i in range(6)])
+    s = arrays(rows)
+    s = SamplingState(s.temperature, s.top_k, s.top_p, s.min_p, jnp.asarray(keys))
+    steps = jnp.arange(6, dtype=jnp.int32) + 3
+    together = np.asarray(draw_fn(jnp.asarray(logits), s, steps).tokens)
+    for i in range(6):
+        alone = draw_fn(jnp.asarray(logits[i:i + 1]), jax.tree.map(lambda a, i=i: a[i:i + 1], s),
+                        steps[i:i + 1])
+        assert int(alone.tokens[0]) == together[i], f"row {i} {rows[i]}"

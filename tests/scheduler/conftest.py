@@ -1,0 +1,24 @@
+"""A tiny random Llama with a real tokenizer, loaded once per test session as an `LLM`."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.hf_models import build_hf_model, save_tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_hf_model("llama", folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_folder):
+    from metrale_jax import LLM
+    llm = LLM(tiny_folder, max_slots=4, max_len=128, max_prefill_len=32, max_prefill_batch=2)
+    _ = llm.scheduler  # compile once for the session
+    yield llm
+    llm.close()

@@ -1,0 +1,55 @@
+"""The default model through the whole stack: 48 greedy tokens equal transformers' generate.
+
+Prompt lengths 1, 15, 16, 17 (around the smallest bucket) and one longer than the largest
+prefill bucket (chunked prefill); transformers runs the same GGUF dequantized to float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale_jax import SamplingParams
+
+LENGTHS = (1, 15, 16, 17, 150)
+
+
+@pytest.fixture(scope="module")
+def pair(default_gguf):
+    from transformers import AutoModelForCausalLM
+
+    from metrale_jax import LLM
+    llm = LLM("default", max_slots=4, max_len=512, max_prefill_len=64, max_prefill_batch=2)
+    ref = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent),
+                                               gguf_file=default_gguf.name,
+                                               dtype=torch.float32).eval()
+    yield llm, ref
+    llm.close()
+
+
+def _prompt(llm, n: int) -> list[int]:
+    text = ("The history of the printing press begins in the fifteenth century, when "
+            "Johannes Gutenberg combined movable metal type, oil-based ink and a screw press. ")
+    ids = llm.tokenizer.encode(text * 8, add_special_tokens=False)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def test_greedy_48_tokens_equal_transformers(pair):
+    llm, ref = pair
+    prompts = [_prompt(llm, n) for n in LENGTHS]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    ours = llm.generate(prompts, params)  # all together: batching must not change tokens
+    for ids, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=48, min_new_tokens=48,
+                                do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+        assert list(got.token_ids) == want, f"prompt of {len(ids)} tokens"
+
+
+def test_chat_answers_in_words(pair):
+    llm, _ = pair
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=32, temperature=0.0))
+    assert "Paris" in out.text
+    assert out.finish_reason in ("stop", "length")

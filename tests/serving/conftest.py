@@ -1,0 +1,131 @@
+"""One real server (Hypercorn on a loopback port, a tiny random Llama) shared by the session."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.hf_models import build_hf_model, save_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT.parent / "shared" / "openai-openapi.yaml"
+DEFAULT_GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = "tiny"
+MAX_LEN = 256
+
+
+def wait_healthy(url: str, timeout: float = 300.0) -> None:
+    """Polls /health until 200, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama-serving")
+    build_hf_model("llama", folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model):
+    from serving.server import ServerThread
+    from serving.settings import ServerSettings
+    settings = ServerSettings(
+        model=str(tiny_model), served_model_name=MODEL, port=0, max_slots=8, max_len=MAX_LEN,
+        engine_options={"max_prefill_len": 64}, max_body_bytes=256 * 1024,
+        request_timeout=120.0, grace_period=5.0)
+    srv = ServerThread(settings).start()
+    assert srv.wait_ready(timeout=600), "the server did not become ready"
+    wait_healthy(srv.url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def base_url(server) -> str:
+    return server.url
+
+
+@pytest.fixture(scope="session")
+def client(base_url):
+    import openai
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="session")
+def async_client_factory(base_url):
+    import openai
+
+    def make():
+        return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=120)
+    return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer(server):
+    return server.state.runtime.tokenizer
+
+
+def post(url: str, path: str, body: bytes | dict | str, headers: dict | None = None,
+         method: str = "POST") -> tuple[int, Any, Any]:
+    """A raw HTTP request: (status, headers (case-insensitive), decoded JSON body)."""
+    data = body if isinstance(body, bytes) else (
+        body.encode() if isinstance(body, str) else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data if method != "GET" else None,
+                                 method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.headers, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        return e.code, e.headers, json.loads(raw) if raw else None
+
+
+def sse_events(url: str, path: str, body: dict, headers: dict | None = None) -> list:
+    """POSTs a streaming request; returns every `data:` payload (dicts, and "[DONE]")."""
+    import http.client
+    from urllib.parse import urlparse
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body),
+                     {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        assert resp.status == 200, (resp.status, resp.read())
+        assert resp.getheader("content-type", "").startswith("text/event-stream")
+        out = []
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+        return out
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="session")
+def schemas():
+    from tests.serving.openai_schema import Validators
+    if not SPEC.exists():
+        pytest.skip(f"{SPEC} is missing")
+    return Validators(SPEC)
