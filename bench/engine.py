@@ -61,12 +61,13 @@ def decode_rate(engine: Engine, active: int, steps: int) -> float:
     state = engine.init_decode_state()
     items = [(s, [1] * 16, SlotSettings()) for s in range(active)]
     state, _ = engine.add(state, items)
+    mask = np.arange(engine.config.max_slots) < active
     for _ in range(2):
-        state, out = engine.step(state)
+        state, out = engine.step(state, mask)
     jax.block_until_ready(out.tokens)
     t0 = time.perf_counter()
     for _ in range(steps):
-        state, out = engine.step(state)
+        state, out = engine.step(state, mask)
     jax.block_until_ready(out.tokens)
     dt = time.perf_counter() - t0
     return active * steps * engine.config.decode_steps / dt

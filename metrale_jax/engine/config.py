@@ -105,6 +105,25 @@ class EngineConfig:
         """The KV cache dtype name."""
         return self.cache_dtype or self.dtype
 
+    @property
+    def active_slot_buckets(self) -> tuple[int, ...]:
+        """The slot counts `generate` is compiled for: 1, 2, 4, ... below `max_slots`, then it.
+
+        A step computes only the first `rows` slots, the smallest bucket that covers the
+        highest slot in use (the scheduler fills the lowest free slots first)."""
+        out, b = [], 1
+        while b < self.max_slots:
+            out.append(b)
+            b *= 2
+        return (*out, self.max_slots)
+
+    def rows_for(self, used: int) -> int:
+        """The smallest active-slot bucket holding slots `0 .. used-1`."""
+        for b in self.active_slot_buckets:
+            if used <= b:
+                return b
+        raise ValueError(f"{used} slots exceed max_slots")
+
     def bucket_for(self, length: int) -> int:
         """The smallest bucket that holds `length` tokens (`length <= max_prefill_len`)."""
         for p in self.prefill_buckets:

@@ -121,9 +121,10 @@ class Engine:
         self._jit_insert = jax.jit(steps.insert_step, donate_argnums=(1, 4))
         self._jit_chunk = jax.jit(functools.partial(steps.chunk_step, self.graph, N),
                                   donate_argnums=(1, 2))
-        self._jit_generate = jax.jit(
-            functools.partial(steps.generate_step, self.graph, N, cfg.decode_steps),
-            donate_argnums=(1,))
+        self._jit_generate = {
+            n: jax.jit(functools.partial(steps.generate_step, self.graph, N, cfg.decode_steps, n),
+                       donate_argnums=(1,))
+            for n in cfg.active_slot_buckets}
         self._state_spec = _abstract(jax.eval_shape(self._jit_init))
         self._state_spec = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -180,9 +181,11 @@ class Engine:
                                 self._state_spec, self._first_spec, scalar, scalar,
                                 _spec((1, P), i32), scalar, scalar, self._sampling_spec(1))
 
-    def _generate_exe(self):
-        return self._executable(("generate", self.config.decode_steps), self._jit_generate,
-                                self._params_spec, self._state_spec)
+    def _generate_exe(self, rows: int):
+        B = self.config.max_slots
+        return self._executable(("generate", self.config.decode_steps, rows),
+                                self._jit_generate[rows], self._params_spec, self._state_spec,
+                                _spec((B,), jnp.bool_))
 
     def _init_exe(self):
         return self._executable(("init",), self._jit_init)
@@ -191,7 +194,8 @@ class Engine:
         """Compiles every program (all buckets and prefill batch sizes); returns seconds."""
         t0 = time.perf_counter()
         cfg = self.config
-        jobs = [self._init_exe, self._generate_exe, self._chunk_exe]
+        jobs = [self._init_exe, self._chunk_exe]
+        jobs += [functools.partial(self._generate_exe, n) for n in cfg.active_slot_buckets]
         for P in cfg.prefill_buckets:
             for Bp in cfg.prefill_batch_sizes:
                 jobs.append(functools.partial(self._prefill_exe, P, Bp))
@@ -241,9 +245,21 @@ class Engine:
         return self._chunk_exe()(params, state, first, i32(slot), i32(col), tokens, i32(start),
                                  i32(length), sampling)
 
-    def generate(self, params: LayerParams, state: DecodeState) -> tuple[DecodeState, StepOutput]:
-        """`decode_steps` decode steps of every slot; state donated. Out: StepOutput [k, B]."""
-        return self._generate_exe()(params, state)
+    def generate(self, params: LayerParams, state: DecodeState,
+                 active: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
+        """`decode_steps` decode steps; state donated. Out: StepOutput [k, B].
+
+        active: [B] bool, the slots holding a request (None = all). Only the smallest
+        active-slot bucket covering the highest active slot is computed, and attention reads
+        the cache up to the largest active position.
+        """
+        B = self.config.max_slots
+        if active is None:
+            active = np.ones(B, np.bool_)
+        active = np.asarray(active, np.bool_)
+        used = np.flatnonzero(active)
+        rows = self.config.rows_for(int(used[-1]) + 1 if used.size else 1)
+        return self._generate_exe(rows)(params, state, active)
 
     # ---- host API ------------------------------------------------------------------------
     def check_prompt(self, n: int) -> None:
@@ -310,6 +326,10 @@ class Engine:
                                                   start, len(chunk), sampling)
         return state, first
 
-    def step(self, state: DecodeState) -> tuple[DecodeState, StepOutput]:
-        """`generate` with the engine's params: state donated; StepOutput [k, B]."""
-        return self.generate(self.params, state)
+    def step(self, state: DecodeState,
+             active: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
+        """`generate` with the engine's params: state donated; StepOutput [k, B].
+
+        active: [B] bool, the slots holding a request (None = all); see `generate`.
+        """
+        return self.generate(self.params, state, active)

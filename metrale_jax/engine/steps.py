@@ -136,26 +136,43 @@ def chunk_step(graph: LayerGraph, num_top: int, params: LayerParams, state: Deco
     return state, first
 
 
-def generate_step(graph: LayerGraph, num_top: int, decode_steps: int, params: LayerParams,
-                  state: DecodeState) -> tuple[DecodeState, StepOutput]:
-    """`decode_steps` decode steps for every slot; state donated.
+def generate_step(graph: LayerGraph, num_top: int, decode_steps: int, rows: int,
+                  params: LayerParams, state: DecodeState,
+                  active: jax.Array) -> tuple[DecodeState, StepOutput]:
+    """`decode_steps` decode steps for the first `rows` slots; state donated.
 
-    Each step feeds `tokens [B]` at `positions [B]`, writes their keys and values into the
-    cache, samples the next token with key `fold_in(keys[b], steps[b])`, and advances
-    positions (capped at S: an idle slot's writes past the cache are dropped) and steps.
-    Returns the new state and StepOutput `[k, B]`.
+    Only slots `0 .. rows-1` are computed (`rows` is static: one program per active-slot
+    bucket, so one request in a 16-slot engine costs one row, not sixteen); active: [B] bool
+    marks the slots holding a request, and attention reads the cache only as far as the
+    largest active position. Each step feeds `tokens` at `positions`, writes their keys and
+    values into the cache, samples the next token with key `fold_in(keys[b], steps[b])`, and
+    advances positions (capped at S) and steps. Returns the new state and StepOutput `[k, B]`
+    (rows past `rows` are zeros).
     """
     S = state.cache.length
+    B = state.tokens.shape[0]
+    head = functools.partial(jax.tree.map, lambda a: a[:rows])
+    sampling = head(state.sampling)
+    live = active[:rows]
 
-    def one(state: DecodeState) -> tuple[DecodeState, SampleResult]:
-        logits, cache = decode_layers(graph, params, state.tokens, state.positions, state.cache)
-        res = sample(logits, state.sampling, state.steps, num_top)
-        new = DecodeState(cache, jnp.minimum(state.positions + 1, S), res.tokens,
-                          state.steps + 1, state.sampling)
-        return new, res
+    def one(carry):
+        cache, positions, tokens, steps_ = carry
+        logits, cache = decode_layers(graph, params, tokens, positions, cache, live)
+        res = sample(logits, sampling, steps_, num_top)
+        return (cache, jnp.minimum(positions + 1, S), res.tokens, steps_ + 1), res
 
+    carry = (state.cache, state.positions[:rows], state.tokens[:rows], state.steps[:rows])
     if decode_steps == 1:
-        state, res = one(state)
-        return state, _as_output(res)
-    state, res = jax.lax.scan(lambda s, _: one(s), state, None, length=decode_steps)
-    return state, StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
+        carry, res = one(carry)
+        out = _as_output(res)
+    else:
+        carry, res = jax.lax.scan(lambda c, _: one(c), carry, None, length=decode_steps)
+        out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
+    cache, positions, tokens, steps_ = carry
+    new = DecodeState(cache, state.positions.at[:rows].set(positions),
+                      state.tokens.at[:rows].set(tokens), state.steps.at[:rows].set(steps_),
+                      state.sampling)
+    if rows < B:  # pad the output to [k, B]
+        out = jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, B - rows)] + [(0, 0)] * (a.ndim - 2)),
+                           out)
+    return new, out

@@ -175,46 +175,64 @@ class Attention(nnx.Module):
         return y, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def decode(self, x: jax.Array, positions: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
-               is_sliding: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One decode step with a per-layer cache that is written first, then attended to.
+               is_sliding: bool, length_index: jax.Array,
+               lengths: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One decode step for the first `n` slots, over only the used part of the cache.
 
-        x: [B, 1, E]; positions: [B] int32 (where this token goes; a position at or past S,
+        x: [n, 1, E]; positions: [n] int32 (where this token goes; a position at or past S,
         an idle slot, writes at S - 1); cache_kt: keys transposed `[B, K, D, S]` (so q·k is
-        a plain batched matmul over S); cache_v: `[B, K, S, D]`; is_sliding: static.
-        Returns the output `[B, 1, E]` and both caches with this token written (in place when
-        the caller donates them).
+        a plain batched matmul over S) and cache_v `[B, K, S, D]`, of which rows `0 .. n-1`
+        are read and written; is_sliding: static. Attention reads the first
+        `lengths[length_index]` cache positions (`lengths`: static, increasing, ending at S;
+        `length_index`: a traced int32 chosen to cover the largest active position), one
+        `lax.switch` branch per length: a step costs what the sequences hold, not what the
+        cache could hold. (A loop over cache blocks costs more on XLA:CPU, where every small
+        batched matmul has a fixed cost: one switch branch runs one set of them.)
+        Returns the output `[n, 1, E]` and both caches with this token written (in place
+        when the caller donates them).
         """
         cfg = self.cfg
-        B = x.shape[0]
+        n = x.shape[0]
         K, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         q, k, v = self._qkv(x, positions[:, None])
         # A position past the cache (an idle slot) overwrites the last entry instead of being
         # dropped: an in-bounds update stays in place on XLA:CPU.
         w = jnp.minimum(positions, cache_v.shape[2] - 1)
         new_k, new_v = k[:, 0].astype(cache_kt.dtype), v[:, 0].astype(cache_v.dtype)
-        if B == 1:  # a one-row scatter becomes copies of the cache on XLA:CPU
+        if n == 1:  # a one-row scatter becomes copies of the cache on XLA:CPU
             zero = jnp.zeros((), w.dtype)
             cache_kt = jax.lax.dynamic_update_slice(cache_kt, new_k[..., None],
                                                     (zero, zero, zero, w[0]))
             cache_v = jax.lax.dynamic_update_slice(cache_v, new_v[:, :, None],
                                                    (zero, zero, w[0], zero))
         else:
-            b = jnp.arange(B)
+            b = jnp.arange(n)
             cache_kt = cache_kt.at[b, :, :, w].set(new_k, mode="promise_in_bounds",
                                                    unique_indices=True)
             cache_v = cache_v.at[b, :, w].set(new_v, mode="promise_in_bounds",
                                               unique_indices=True)
-        qg = q[:, 0].reshape(B, K, G, D).astype(cache_kt.dtype)
-        s = jnp.einsum("bkgd,bkds->bkgs", qg, cache_kt).astype(jnp.float32) * cfg.attention_scale
-        if cfg.attn_logit_softcap:
-            s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
-        s_pos = jnp.arange(cache_kt.shape[-1])[None, :]  # [1, S]
-        ok = s_pos <= positions[:, None]  # [B, S]: the cache up to and including this token
-        if cfg.sliding_window and is_sliding:
-            ok &= positions[:, None] - s_pos < cfg.sliding_window
-        s = jnp.where(ok[:, None, None, :], s, jnp.finfo(jnp.float32).min)
-        p = jax.nn.softmax(s, axis=-1).astype(cache_v.dtype)
-        out = jnp.einsum("bkgs,bksd->bkgd", p, cache_v).astype(x.dtype)
-        out = out.reshape(B, 1, cfg.num_heads * D)
+        qg = q[:, 0].reshape(n, K, G, D).astype(cache_kt.dtype)
+        window = cfg.sliding_window if (cfg.sliding_window and is_sliding) else 0
+
+        def attend(length: int):
+            def branch(qg, cache_kt, cache_v, positions):
+                kt = cache_kt[:n, :, :, :length]
+                vb = cache_v[:n, :, :length]
+                s = jnp.einsum("bkgd,bkds->bkgs", qg, kt).astype(jnp.float32)
+                s = s * cfg.attention_scale
+                if cfg.attn_logit_softcap:
+                    s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
+                s_pos = jnp.arange(length)[None, :]
+                ok = s_pos <= positions[:, None]  # the cache up to and including this token
+                if window:
+                    ok &= positions[:, None] - s_pos < window
+                s = jnp.where(ok[:, None, None, :], s, jnp.finfo(jnp.float32).min)
+                p = jax.nn.softmax(s, axis=-1).astype(cache_v.dtype)
+                return jnp.einsum("bkgs,bksd->bkgd", p, vb)
+            return branch
+
+        out = jax.lax.switch(length_index, [attend(length) for length in lengths], qg,
+                             cache_kt, cache_v, positions)
+        out = out.astype(x.dtype).reshape(n, 1, cfg.num_heads * D)
         y = out @ self.o_proj[...].reshape(cfg.num_heads * D, -1)
         return y, cache_kt, cache_v

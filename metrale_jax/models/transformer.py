@@ -47,10 +47,11 @@ class Block(nnx.Module):
             h = self.post_mlp_norm(h)
         return x + h, k, v
 
-    def decode(self, x, positions, cache_kt, cache_v, is_sliding: bool):
-        """One decode step, x: [B, 1, E]; see `Attention.decode` for the per-layer cache."""
+    def decode(self, x, positions, cache_kt, cache_v, is_sliding: bool, length_index,
+               lengths: tuple[int, ...]):
+        """One decode step, x: [n, 1, E]; see `Attention.decode` for the per-layer cache."""
         h, cache_kt, cache_v = self.attn.decode(self.attn_norm(x), positions, cache_kt, cache_v,
-                                                is_sliding)
+                                                is_sliding, length_index, lengths)
         if self.post_norms:
             h = self.post_attn_norm(h)
         x = x + h

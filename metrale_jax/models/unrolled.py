@@ -131,16 +131,38 @@ def forward_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
     return logits, cache.write(new_k, new_v, positions)
 
 
+MIN_ATTENTION_LENGTH = 128
+
+
+def attention_lengths(length: int) -> tuple[int, ...]:
+    """The cache prefixes decode attention may read: powers of two from 128 below S, then S."""
+    out, n = [], MIN_ATTENTION_LENGTH
+    while n < length:
+        out.append(n)
+        n *= 2
+    return (*out, length)
+
+
 def decode_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
-                  positions: jax.Array, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
-    """One decode step: tokens [B] int32 at positions [B] int32 -> (logits [B, V] float32,
-    cache with these tokens' keys and values written)."""
+                  positions: jax.Array, cache: LayerCache,
+                  active: jax.Array | None = None) -> tuple[jax.Array, LayerCache]:
+    """One decode step of the first n slots: tokens [n] int32 at positions [n] int32 ->
+    (logits [n, V] float32, cache with these tokens' keys and values written).
+
+    cache: the full `[B, ...]` per-layer buffers (n ≤ B); active: [n] bool, the slots that
+    hold a request: attention reads the cache only up to the largest active position.
+    """
+    lengths = attention_lengths(cache.length)
+    live = positions if active is None else jnp.where(active, positions, 0)
+    # The shortest prefix holding every active position (this token included).
+    index = jnp.sum(jnp.asarray(lengths[:-1]) <= jnp.max(live)).astype(jnp.int32)
     x = _embed(graph, params, tokens[:, None])
     kts, vs = [], []
     for i, (state, sliding) in enumerate(zip(params.layers, graph.cfg.layer_is_sliding,
                                              strict=True)):
-        block = nnx.merge(graph.block_def, state)
-        x, kt, v = block.decode(x, positions, cache.kt[i], cache.v[i], sliding)
+        block_mod = nnx.merge(graph.block_def, state)
+        x, kt, v = block_mod.decode(x, positions, cache.kt[i], cache.v[i], sliding, index,
+                                    lengths)
         kts.append(kt)
         vs.append(v)
     return _head(graph, params, x[:, 0]), LayerCache(tuple(kts), tuple(vs))

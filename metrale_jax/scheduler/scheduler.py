@@ -239,7 +239,8 @@ class Scheduler:
         return _Pending(first, {slot: seq for slot, seq in admitted}, first=True)
 
     def _launch_step(self) -> _Pending:
-        self.state, out = self.engine.step(self.state)
+        active = np.array([s is not None for s in self._slots], np.bool_)
+        self.state, out = self.engine.step(self.state, active)
         _start_copy(out)
         self.stats["steps"] += 1
         return _Pending(out, {i: s for i, s in enumerate(self._slots) if s is not None},

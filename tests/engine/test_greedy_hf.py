@@ -51,3 +51,31 @@ def test_greedy_matches_transformers(arch, tmp_path):
         ref = ref[0, len(prompt):].tolist()
         assert len(ref) == NEW_TOKENS
         assert got == ref, f"{arch}, prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_greedy_across_attention_lengths_with_few_active_slots(arch, tmp_path):
+    """Two requests in an 8-slot engine (only the first rows are computed), decoding from
+    position ~100 past 128, where attention switches to a longer cache prefix; both archs
+    have sliding-window layers (window 8)."""
+    hf = build_hf_model(arch, tmp_path)
+    hf.generation_config.eos_token_id = None
+    cfg = read_hf_config(tmp_path)
+    graphdef, params = assemble_params(cfg, read_safetensors(tmp_path), tmp_path)
+    engine = make_engine(cfg, graphdef, params, max_len=256)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (100, 111)]
+    state = engine.init_decode_state()
+    state, first = engine.add(state, [(0, prompts[0], SlotSettings()),
+                                      (1, prompts[1], SlotSettings())])
+    active = np.arange(engine.config.max_slots) < 2
+    outs = [np.asarray(first.tokens)[0, :2]]
+    for _ in range(NEW_TOKENS - 1):
+        state, step = engine.step(state, active)
+        outs.append(np.asarray(step.tokens)[0, :2])
+    ours = np.stack(outs, axis=1).tolist()
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False,
+                              max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+        assert got == ref[0, len(prompt):].tolist(), f"{arch}, prompt of {len(prompt)} tokens"
