@@ -30,6 +30,9 @@ class EngineConfig:
         None = 512, or the largest power of two below `max_len` when that is smaller.
     max_prefill_batch: the largest number of prompts prefilled in one call; batches are padded
         to 1, 2, 4, ... up to it. None = min(4, max_slots).
+    max_batched_prefill_len: buckets up to this length are prefilled in batches; longer
+        prompts one at a time (on CPU a long prompt fills the machine alone, and each batch
+        size is one more program to compile).
     decode_steps: k, decode steps per compiled `generate` call (k > 1: multi-step decode).
     dtype: params and activations; cache_dtype: the KV cache (None = `dtype`).
     compilation_cache_dir: JAX's persistent compilation cache folder (None = off); defaults to
@@ -42,6 +45,7 @@ class EngineConfig:
     min_prefill_bucket: int = 16
     max_prefill_len: int | None = None
     max_prefill_batch: int | None = None
+    max_batched_prefill_len: int = 64
     decode_steps: int = 1
     dtype: str = "float32"
     cache_dtype: str | None = None
@@ -61,7 +65,8 @@ class EngineConfig:
         if isinstance(self.max_slots, int) and self.max_prefill_batch is None:
             object.__setattr__(self, "max_prefill_batch", max(1, min(4, self.max_slots)))
         for name in ("max_slots", "max_len", "min_prefill_bucket", "max_prefill_len",
-                     "max_prefill_batch", "decode_steps", "num_top_logprobs"):
+                     "max_prefill_batch", "max_batched_prefill_len", "decode_steps",
+                     "num_top_logprobs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise bad(name, "must be a positive integer")
@@ -99,6 +104,11 @@ class EngineConfig:
             out.append(b)
             b *= 2
         return (*out, self.max_prefill_batch)
+
+    def prefill_batch_sizes_for(self, bucket: int) -> tuple[int, ...]:
+        """The prefill batch sizes compiled for `bucket`: all of them up to
+        `max_batched_prefill_len`, only 1 above it."""
+        return self.prefill_batch_sizes if bucket <= self.max_batched_prefill_len else (1,)
 
     @property
     def resolved_cache_dtype(self) -> str:

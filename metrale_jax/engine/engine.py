@@ -1,19 +1,24 @@
 """`Engine`: the compiled steps over a fixed grid of shapes, and the host API that feeds them.
 
 Compiled programs (each compiled once, ahead of time, and kept in `self._compiled`):
-- `prefill` per (bucket P, prefill batch Bp): prompts -> `Prefix` (KV of the prompt and the
-  first token, sampled with the slot's settings, so time to first token is one prefill);
-- `insert` per (P, Bp): a prefix into the slots of the donated `DecodeState`;
+- `prefill_insert` per (bucket P, prefill batch Bp; batches only for P up to
+  `max_batched_prefill_len`): prompts prefilled, their first tokens sampled with the slots'
+  settings (so time to first token is one prefill), and written into the slots of the donated
+  `DecodeState`: DESIGN.md's `prefill` and `insert` fused into one program, which halves the
+  programs to compile;
 - `chunk` (P = max_prefill_len, one prompt): a chunk of a prompt longer than the largest
   bucket, prefilled straight into its slot's cache, attending to the earlier chunks there;
-- `generate`: `decode_steps` decode steps of every slot, state donated;
+- `generate` per active-slot bucket n (1, 2, 4, ... B): `decode_steps` decode steps of
+  slots 0 .. n-1, state donated;
 - `init`: an empty `DecodeState`.
 `warmup()` compiles them all; afterwards `compile_count` stays flat for any request mix (every
 request parameter is data). JAX's persistent compilation cache (EngineConfig.
-compilation_cache_dir) makes a second start fast.
+compilation_cache_dir) makes a second start fast. The contract's separate `prefill(...)` and
+`insert(...)` stay available (for disaggregated or custom loops); they compile on first use.
 
 Host API for the batching loop: `add(state, items) -> (state, first)` and
-`step(state) -> (state, out)`; both return small `StepOutput`s to copy asynchronously.
+`step(state, active) -> (state, out)`; both return small `StepOutput`s to copy
+asynchronously.
 """
 
 from __future__ import annotations
@@ -119,6 +124,9 @@ class Engine:
         self._jit_prefill = jax.jit(
             functools.partial(steps.prefill_step, self.graph, N, self.cache_dtype))
         self._jit_insert = jax.jit(steps.insert_step, donate_argnums=(1, 4))
+        self._jit_prefill_insert = jax.jit(
+            functools.partial(steps.prefill_insert_step, self.graph, N, self.cache_dtype),
+            donate_argnums=(1, 2))
         self._jit_chunk = jax.jit(functools.partial(steps.chunk_step, self.graph, N),
                                   donate_argnums=(1, 2))
         self._jit_generate = {
@@ -174,6 +182,13 @@ class Engine:
                                 _spec((Bp,), jnp.int32), _spec((Bp,), jnp.int32),
                                 self._first_spec)
 
+    def _prefill_insert_exe(self, P: int, Bp: int):
+        i32 = jnp.int32
+        return self._executable(("prefill_insert", P, Bp), self._jit_prefill_insert,
+                                self._params_spec, self._state_spec, self._first_spec,
+                                _spec((Bp, P), i32), _spec((Bp,), i32), self._sampling_spec(Bp),
+                                _spec((Bp,), i32), _spec((Bp,), i32))
+
     def _chunk_exe(self):
         P, i32 = self.config.max_prefill_len, jnp.int32
         scalar = _spec((), i32)
@@ -197,9 +212,8 @@ class Engine:
         jobs = [self._init_exe, self._chunk_exe]
         jobs += [functools.partial(self._generate_exe, n) for n in cfg.active_slot_buckets]
         for P in cfg.prefill_buckets:
-            for Bp in cfg.prefill_batch_sizes:
-                jobs.append(functools.partial(self._prefill_exe, P, Bp))
-                jobs.append(functools.partial(self._insert_exe, P, Bp))
+            for Bp in cfg.prefill_batch_sizes_for(P):
+                jobs.append(functools.partial(self._prefill_insert_exe, P, Bp))
         with ThreadPoolExecutor(max(1, workers)) as pool:
             for f in [pool.submit(job) for job in jobs]:
                 f.result()
@@ -299,8 +313,9 @@ class Engine:
             else:
                 long.append(i)
         for P, idx in sorted(by_bucket.items()):
-            for j in range(0, len(idx), cfg.max_prefill_batch):
-                group = idx[j:j + cfg.max_prefill_batch]
+            most = max(cfg.prefill_batch_sizes_for(P))
+            for j in range(0, len(idx), most):
+                group = idx[j:j + most]
                 Bp = cfg.batch_size_for(len(group))
                 tokens = np.zeros((Bp, P), np.int32)
                 lengths = np.ones(Bp, np.int32)
@@ -311,8 +326,8 @@ class Engine:
                     tokens[r, :len(ids)] = ids
                     lengths[r], slots[r], cols[r] = len(ids), slot, i
                 sampling = settings_to_arrays([items[i][2] for i in group], Bp)
-                prefix = self.prefill(self.params, tokens, lengths, sampling)
-                state, first = self.insert(prefix, state, slots, cols, first)
+                state, first = self._prefill_insert_exe(P, Bp)(
+                    self.params, state, first, tokens, lengths, sampling, slots, cols)
         P = cfg.max_prefill_len
         for i in long:
             slot, ids, settings = items[i]

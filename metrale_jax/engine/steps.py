@@ -100,6 +100,19 @@ def insert_step(prefix: Prefix, state: DecodeState, slots: jax.Array, cols: jax.
     return state, first
 
 
+def prefill_insert_step(graph: LayerGraph, num_top: int, cache_dtype: jnp.dtype,
+                        params: LayerParams, state: DecodeState, first: StepOutput,
+                        tokens: jax.Array, lengths: jax.Array, sampling: SamplingState,
+                        slots: jax.Array, cols: jax.Array) -> tuple[DecodeState, StepOutput]:
+    """`prefill_step` then `insert_step` in one program (state and first donated).
+
+    The batching loop's path: one compiled program per (bucket, prefill batch) instead of
+    two, which halves warmup, and the prefix never leaves the program.
+    """
+    prefix = prefill_step(graph, num_top, cache_dtype, params, tokens, lengths, sampling)
+    return insert_step(prefix, state, slots, cols, first)
+
+
 def chunk_step(graph: LayerGraph, num_top: int, params: LayerParams, state: DecodeState,
                first: StepOutput, slot: jax.Array, col: jax.Array, tokens: jax.Array,
                start: jax.Array, length: jax.Array,
