@@ -78,3 +78,10 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = 600) -> None:
     fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
                           "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}")
     fast.save_pretrained(folder)
+
+
+def build_tiny_checkpoint(folder: Path, arch: str = "llama") -> Path:
+    """A complete tiny HF folder: a random `arch` model plus the tiny tokenizer; returns it."""
+    build_hf_model(arch, folder)
+    save_tiny_tokenizer(folder)
+    return folder

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.hf_models import build_hf_model, save_tiny_tokenizer
+from tests.hf_models import build_tiny_checkpoint
 
 
 def metrale(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -20,10 +20,7 @@ def metrale(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cli-llama")
-    build_hf_model("llama", folder)
-    save_tiny_tokenizer(folder)
-    return folder
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("cli-llama"))
 
 
 def test_generate_json(tiny):

@@ -39,26 +39,24 @@ class Block(nnx.Module):
     def __call__(self, x, positions, cache_k, cache_v, is_sliding):
         """x: [B, T, E] -> ([B, T, E], new keys [B, K, T, D], new values [B, K, T, D])."""
         h, k, v = self.attn(self.attn_norm(x), positions, cache_k, cache_v, is_sliding)
+        return self._rest(x, h), k, v
+
+    def _rest(self, x, h):
+        """The block after attention: x + post-norm(h), then the MLP residual."""
         if self.post_norms:
             h = self.post_attn_norm(h)
         x = x + h
         h = self.mlp(self.mlp_norm(x))
         if self.post_norms:
             h = self.post_mlp_norm(h)
-        return x + h, k, v
+        return x + h
 
     def decode(self, x, positions, cache_kt, cache_v, is_sliding: bool, length_index,
                lengths: tuple[int, ...]):
         """One decode step, x: [n, 1, E]; see `Attention.decode` for the per-layer cache."""
         h, cache_kt, cache_v = self.attn.decode(self.attn_norm(x), positions, cache_kt, cache_v,
                                                 is_sliding, length_index, lengths)
-        if self.post_norms:
-            h = self.post_attn_norm(h)
-        x = x + h
-        h = self.mlp(self.mlp_norm(x))
-        if self.post_norms:
-            h = self.post_mlp_norm(h)
-        return x + h, cache_kt, cache_v
+        return self._rest(x, h), cache_kt, cache_v
 
 
 class Transformer(nnx.Module):

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hf_models import build_hf_model, save_tiny_tokenizer
+from tests.hf_models import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    build_hf_model("llama", folder)
-    save_tiny_tokenizer(folder)
-    return folder
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

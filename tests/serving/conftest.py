@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.hf_models import build_hf_model, save_tiny_tokenizer
+from tests.hf_models import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT.parent / "shared" / "openai-openapi.yaml"
@@ -35,10 +35,7 @@ def wait_healthy(url: str, timeout: float = 300.0) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama-serving")
-    build_hf_model("llama", folder)
-    save_tiny_tokenizer(folder)
-    return folder
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-serving"))
 
 
 @pytest.fixture(scope="session")

@@ -12,15 +12,12 @@ import pytest
 from metrale_jax.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from metrale_jax.weights.checkpoint import load_checkpoint, resolve
 from metrale_jax.weights.orbax_store import load_orbax, save_orbax
-from tests.hf_models import build_hf_model, save_tiny_tokenizer
+from tests.hf_models import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2")
-    build_hf_model("qwen2", folder)
-    save_tiny_tokenizer(folder)
-    return folder
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")
 
 
 def _copy(src, tmp_path):
