@@ -98,10 +98,18 @@ class Generation:
         """Generated tokens over every choice."""
         return sum(c.completion_tokens for c in self.choices)
 
-    def check(self) -> None:
-        """Validates every request against the engine (context length, token ids)."""
+    def check(self, prompt_param: str = "messages") -> None:
+        """Validates every request against the engine (context length, token ids).
+
+        prompt_param: the request field a prompt error points at ("messages" or "prompt").
+        """
         for r in self.requests:
-            self.runtime.scheduler.check(r)
+            try:
+                self.runtime.scheduler.check(r)
+            except MetraleError as e:
+                if e.param in ("messages", "prompt"):
+                    e.param = prompt_param
+                raise
 
     def submit(self) -> None:
         """Queues every choice; on a failure (queue full) cancels those already queued."""

@@ -82,7 +82,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
     params = req.sampling_params(req.max_new_tokens, req.logprobs)
     gen = Generation(rt, state.metrics, prompts, params, req.n,
                      _timeout(state, req.timeout), request_id)
-    gen.check()
+    gen.check("prompt")
     gen.submit()
     env = Envelope("cmpl", "text_completion", state.settings.model_name, rt.fingerprint)
     echo = [texts[c.prompt_index] for c in gen.choices] if req.echo else None

@@ -39,9 +39,9 @@ CASES = [
     ("tools not implemented", "/v1/chat/completions",
      {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("prompt over the context", "/v1/completions",
-     {"model": MODEL, "prompt": [5] * (MAX_LEN + 10), "max_tokens": 4}, 400, "messages"),
+     {"model": MODEL, "prompt": [5] * (MAX_LEN + 10), "max_tokens": 4}, 400, "prompt"),
     ("prompt plus max_tokens over", "/v1/completions",
-     {"model": MODEL, "prompt": [5] * 10, "max_tokens": MAX_LEN}, 400, "messages"),
+     {"model": MODEL, "prompt": [5] * 10, "max_tokens": MAX_LEN}, 400, "prompt"),
     ("token id out of vocab", "/v1/completions",
      {"model": MODEL, "prompt": [10 ** 6], "max_tokens": 2}, 400, "prompt"),
     ("huge body", "/v1/completions", b'{"prompt": "' + b"x" * 300_000 + b'"}', 413, None),
@@ -69,8 +69,13 @@ def test_context_length_message_states_both_numbers(base_url):
     _, _, out = post(base_url, "/v1/completions",
                      {"model": MODEL, "prompt": [5] * (MAX_LEN + 10), "max_tokens": 4})
     assert out["error"]["code"] == "context_length_exceeded"
+    assert out["error"]["param"] == "prompt"
     assert str(MAX_LEN) in out["error"]["message"]
     assert str(MAX_LEN + 10) in out["error"]["message"]
+    _, _, out = post(base_url, "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": MAX_LEN, "messages": [{"role": "user", "content": "hi"}]})
+    assert out["error"]["code"] == "context_length_exceeded"
+    assert out["error"]["param"] == "messages"
 
 
 def test_404_and_405(base_url, schemas):
