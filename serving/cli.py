@@ -104,7 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, max_slots=args.max_slots, max_len=args.max_len, dtype=args.dtype,
         engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-        request_timeout=args.request_timeout or None, grace_period=args.grace_period)
+        request_timeout=args.request_timeout or None, grace_period=args.grace_period,
+        max_waiting=args.max_waiting)
     logging.getLogger("serving").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     print(f"metrale: loading {args.model} ...", file=sys.stderr)
 
@@ -169,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="larger request bodies get 413")
     srv.add_argument("--request-timeout", type=float, default=600.0,
                      help="default per-request timeout in seconds (0 = none)")
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="requests that may wait for a slot; beyond: 503 with Retry-After")
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds in-flight requests get after SIGTERM")
     srv.set_defaults(func=cmd_serve)

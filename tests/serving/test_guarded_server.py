@@ -1,0 +1,122 @@
+"""`metrale serve` as a subprocess with an API key, one slot and a one-request queue.
+
+Over real HTTP: the key is enforced (health stays open), a really full queue answers 503 with
+Retry-After, and after SIGTERM `/health` answers 503 while the in-flight stream finishes.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlparse
+
+import pytest
+
+from tests.serving.conftest import ROOT, post
+
+KEY = {"Authorization": "Bearer sekrit"}
+LONG = {"model": "tiny", "prompt": "fox", "max_tokens": 900, "temperature": 0,
+        "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model):
+    cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", str(tiny_model),
+           "--served-model-name", "tiny", "--port", "0", "--max-slots", "1", "--max-len", "1024",
+           "--max-prefill-len", "64", "--max-waiting", "1", "--api-key", "sekrit",
+           "--grace-period", "60"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = proc.stdout.readline()  # printed once the model is ready
+    match = re.search(r"at (http://\S+)/v1", line)
+    if match is None:
+        proc.kill()
+        pytest.fail(f"no URL printed: {line!r} {proc.stderr.read()[-2000:]}")
+    yield proc, match.group(1)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+class Stream:
+    """A streaming request in a thread; `first` is set once its first chunk arrived."""
+
+    def __init__(self, url: str, body: dict):
+        self.first = threading.Event()
+        self.status: int | None = None
+        self.events: list = []
+        u = urlparse(url)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+        self.thread = threading.Thread(target=self._run, args=(body,), daemon=True)
+        self.thread.start()
+
+    def _run(self, body: dict) -> None:
+        self.conn.request("POST", "/v1/completions", json.dumps(body),
+                          {"Content-Type": "application/json", **KEY})
+        resp = self.conn.getresponse()
+        self.status = resp.status
+        try:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    payload = line[6:]
+                    self.events.append(payload if payload == "[DONE]" else json.loads(payload))
+                    self.first.set()
+        except (OSError, AttributeError):  # the test closed this client mid-stream
+            pass
+        finally:
+            self.first.set()
+
+
+def test_api_key_over_http(guarded, schemas):
+    _, url = guarded
+    assert post(url, "/v1/models", b"", method="GET")[0] == 401
+    status, _, body = post(url, "/v1/models", b"", {"Authorization": "Bearer nope"}, "GET")
+    assert status == 401
+    schemas.error(body)
+    assert post(url, "/v1/models", b"", KEY, "GET")[0] == 200
+    assert post(url, "/health", b"", method="GET")[0] == 200
+
+
+def test_full_queue_is_503_with_retry_after(guarded, schemas):
+    _, url = guarded
+    running = Stream(url, LONG)
+    assert running.first.wait(60) and running.status == 200  # holds the only slot
+    waiting = Stream(url, {**LONG, "max_tokens": 4})  # fills the one-place queue
+    deadline = time.monotonic() + 30
+    status, headers, body = 0, {}, None
+    while time.monotonic() < deadline:  # until the second request is really queued
+        status, headers, body = post(url, "/v1/completions",
+                                     {"model": "tiny", "prompt": "x", "max_tokens": 2}, KEY)
+        if status == 503:
+            break
+    assert status == 503, (status, body)
+    assert float(headers["Retry-After"]) > 0
+    schemas.error(body)
+    running.conn.close()  # the client goes: its request is cancelled, the queue drains
+    waiting.thread.join(60)
+    assert waiting.events[-1] == "[DONE]"
+
+
+def test_health_is_503_while_draining(guarded):
+    proc, url = guarded
+    stream = Stream(url, {**LONG, "max_tokens": 600})
+    assert stream.first.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    seen = None
+    while time.monotonic() < deadline and seen != 503:
+        seen = post(url, "/health", b"", method="GET")[0]
+    assert seen == 503
+    stream.thread.join(90)
+    assert stream.events[-1] == "[DONE]"
+    finish = [e for e in stream.events[:-1] if e.get("choices")][-1]["choices"][0]
+    assert finish["finish_reason"] == "length"  # finished within the grace period
+    assert proc.wait(90) == 0
