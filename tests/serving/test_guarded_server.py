@@ -22,14 +22,14 @@ import pytest
 from tests.serving.conftest import ROOT, post
 
 KEY = {"Authorization": "Bearer sekrit"}
-LONG = {"model": "tiny", "prompt": "fox", "max_tokens": 900, "temperature": 0,
+LONG = {"model": "tiny", "prompt": "fox", "max_tokens": 4000, "temperature": 0,
         "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model):
     cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", str(tiny_model),
-           "--served-model-name", "tiny", "--port", "0", "--max-slots", "1", "--max-len", "1024",
+           "--served-model-name", "tiny", "--port", "0", "--max-slots", "1", "--max-len", "4096",
            "--max-prefill-len", "64", "--max-waiting", "1", "--api-key", "sekrit",
            "--grace-period", "60"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -75,6 +75,13 @@ class Stream:
             self.first.set()
 
 
+def _waiting(url: str) -> float:
+    import urllib.request
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return float(re.search(r"^metrale:num_requests_waiting (\S+)$", text, re.M).group(1))
+
+
 def test_api_key_over_http(guarded, schemas):
     _, url = guarded
     assert post(url, "/v1/models", b"", method="GET")[0] == 401
@@ -91,12 +98,10 @@ def test_full_queue_is_503_with_retry_after(guarded, schemas):
     assert running.first.wait(60) and running.status == 200  # holds the only slot
     waiting = Stream(url, {**LONG, "max_tokens": 4})  # fills the one-place queue
     deadline = time.monotonic() + 30
-    status, headers, body = 0, {}, None
-    while time.monotonic() < deadline:  # until the second request is really queued
-        status, headers, body = post(url, "/v1/completions",
-                                     {"model": "tiny", "prompt": "x", "max_tokens": 2}, KEY)
-        if status == 503:
-            break
+    while time.monotonic() < deadline and _waiting(url) < 1:  # until it is really queued
+        pass
+    status, headers, body = post(url, "/v1/completions",
+                                 {"model": "tiny", "prompt": "x", "max_tokens": 2}, KEY)
     assert status == 503, (status, body)
     assert float(headers["Retry-After"]) > 0
     schemas.error(body)
