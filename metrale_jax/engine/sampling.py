@@ -10,8 +10,9 @@ Semantics (the order transformers applies its warpers in):
 3. top-k keeps the k largest `x` (0 = off); top-p then keeps, in descending order, each token
    whose preceding probability mass (renormalised over the top-k set) is below `top_p`; min-p
    keeps tokens with `p >= min_p * p_max` (a ratio, so it commutes with renormalising).
-4. The draw is Gumbel-max over the full vocabulary restricted to the kept set: noise is indexed
-   by token id, so the result does not depend on how the kept set was found.
+4. The draw is Gumbel-max over the kept set with noise indexed by token id (a hash of the
+   row's step key and the id), so the result does not depend on how the kept set was found:
+   a row whose kept set lies within its candidates draws over those only.
 
 Finding the kept set without sorting all `V` logits: top-k/top-p are applied to the `CANDIDATES`
 largest logits (`lax.top_k`) and turned into a threshold on `x`. When a slot's kept set may
@@ -27,6 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry2x32_p
 
 CANDIDATES = 256
 """How many of the largest logits the top-k/top-p fast path looks at."""
@@ -110,9 +112,13 @@ def _kept_from_sorted(vals: jax.Array, lse: jax.Array, k_eff: jax.Array, top_p: 
     return n_keep, thresh
 
 
-def kept_mask(x: jax.Array, sampling: SamplingState) -> jax.Array:
-    """The drawable tokens `[B, V] bool` of tempered logits `x: [B, V]` under each row's
-    top-k, top-p and min-p (temperature is already applied; greedy rows are not special)."""
+def _thresholds(x: jax.Array, sampling: SamplingState):
+    """Each row's kept-set floor on tempered logits `x: [B, V]`, and its candidates.
+
+    Returns (floor [B]: the kept set is `x >= floor`; in_candidates [B] bool: the row's kept
+    set lies within its CANDIDATES largest logits; vals, ids [B, C]: those candidates, valid
+    where in_candidates).
+    """
     B, V = x.shape
     C = min(CANDIDATES, V)
     top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
@@ -121,40 +127,79 @@ def kept_mask(x: jax.Array, sampling: SamplingState) -> jax.Array:
     lse = jax.nn.logsumexp(x, axis=-1)
 
     def candidate_threshold(_):
-        vals, _ = jax.lax.top_k(x, C)
+        vals, ids = jax.lax.top_k(x, C)
         n_keep, thresh = _kept_from_sorted(vals, lse, k_eff, top_p, k_eff <= C)
         covered = (k_eff <= C) | ((k_eff == V) & (n_keep < C))
-        return thresh, covered
+        return thresh, covered, vals, ids.astype(jnp.int32)
 
     def none_threshold(_):
-        return jnp.full((B,), -jnp.inf, x.dtype), jnp.ones((B,), bool)
+        return (jnp.full((B,), -jnp.inf, x.dtype), jnp.ones((B,), bool),
+                jnp.zeros((B, C), x.dtype), jnp.zeros((B, C), jnp.int32))
 
-    thresh_c, covered = jax.lax.cond(jnp.any(uses_kp), candidate_threshold, none_threshold, None)
+    thresh_c, covered, vals, ids = jax.lax.cond(jnp.any(uses_kp), candidate_threshold,
+                                                none_threshold, None)
     need_full = uses_kp & ~covered
 
     def full_threshold(_):
-        vals = -jnp.sort(-x, axis=-1)
-        return _kept_from_sorted(vals, lse, k_eff, top_p, None)[1]
+        sorted_vals = -jnp.sort(-x, axis=-1)
+        return _kept_from_sorted(sorted_vals, lse, k_eff, top_p, None)[1]
 
     thresh_f = jax.lax.cond(jnp.any(need_full), full_threshold,
                             lambda _: jnp.full((B,), -jnp.inf, x.dtype), None)
     thresh = jnp.where(uses_kp, jnp.where(covered, thresh_c, thresh_f), -jnp.inf)
     x_max = jnp.max(x, axis=-1)
     floor = jnp.maximum(thresh, x_max + jnp.log(min_p))  # log(0) = -inf: min-p off
+    return floor, uses_kp & covered, vals, ids
+
+
+def kept_mask(x: jax.Array, sampling: SamplingState) -> jax.Array:
+    """The drawable tokens `[B, V] bool` of tempered logits `x: [B, V]` under each row's
+    top-k, top-p and min-p (temperature is already applied; greedy rows are not special)."""
+    floor = _thresholds(x, sampling)[0]
     return x >= floor[:, None]
 
 
+def _token_noise(key_data: jax.Array, ids: jax.Array) -> jax.Array:
+    """Gumbel noise for token ids `ids: [N]` under one row's step key (`[2] uint32` data):
+    one threefry hash of (key, token id) each, so drawing over a subset of the vocabulary
+    gives the same token as drawing over all of it."""
+    # The raw threefry primitive on counter pairs (id, 0): each output depends on its own
+    # id only (`threefry_2x32` pairs up the two halves of its input instead).
+    ids = ids.astype(jnp.uint32)
+    bits, _ = threefry2x32_p.bind(key_data[0], key_data[1], ids, jnp.zeros_like(ids))
+    # 23 random mantissa bits -> a uniform in (0, 1), never 0 or 1.
+    u = (jax.lax.shift_right_logical(bits, jnp.uint32(9)).astype(jnp.float32) + 0.5) * (
+        1.0 / (1 << 23))
+    return -jnp.log(-jnp.log(u))
+
+
 def _draw(x: jax.Array, sampling: SamplingState, steps: jax.Array) -> jax.Array:
-    """Gumbel-max draw from tempered logits `x: [B, V]` over `kept_mask`; returns [B] int32."""
-    V = x.shape[-1]
-    keep = kept_mask(x, sampling)
+    """Gumbel-max draw from tempered logits `x: [B, V]` over the kept set; returns [B] int32.
 
-    def noise(key_data: jax.Array, step: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
-        return jax.random.gumbel(key, (V,), jnp.float32)
+    Noise is indexed by token id. A row whose kept set lies within its candidates (top-k ≤
+    CANDIDATES, or a nucleus inside them: the usual case) draws over those C tokens only;
+    other rows draw over the whole vocabulary, computed only when some row needs it.
+    """
+    B, V = x.shape
+    floor, in_cand, vals, ids = _thresholds(x, sampling)
+    keep = x >= floor[:, None]
+    cand_keep = vals >= floor[:, None]
+    # Ties at the floor outside the candidates would be drawable too: then use the full path.
+    in_cand &= jnp.sum(keep, axis=-1) == jnp.sum(cand_keep, axis=-1)
+    row_keys = jax.vmap(lambda k, s: jax.random.key_data(
+        jax.random.fold_in(jax.random.wrap_key_data(k), s)))(sampling.keys, steps)
+    g_c = jax.vmap(_token_noise)(row_keys, ids)
+    tok_c = jnp.take_along_axis(
+        ids, jnp.argmax(jnp.where(cand_keep, vals + g_c, -jnp.inf), axis=-1)[:, None],
+        axis=-1)[:, 0]
 
-    g = jax.vmap(noise)(sampling.keys, steps)
-    return jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1).astype(jnp.int32)
+    def full(_):
+        all_ids = jnp.arange(V, dtype=jnp.int32)
+        g = jax.vmap(lambda k: _token_noise(k, all_ids))(row_keys)
+        return jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1).astype(jnp.int32)
+
+    tok_f = jax.lax.cond(jnp.any(~in_cand), full, lambda _: jnp.zeros((B,), jnp.int32), None)
+    return jnp.where(in_cand, tok_c, tok_f).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, sampling: SamplingState, steps: jax.Array,

@@ -129,3 +129,25 @@ def test_row_draw_ignores_the_rest_of_the_batch(draw_fn):
         alone = draw_fn(jnp.asarray(logits[i:i + 1]), jax.tree.map(lambda a, i=i: a[i:i + 1], s),
                         steps[i:i + 1])
         assert int(alone.tokens[0]) == together[i], f"row {i} {rows[i]}"
+
+
+def test_candidate_draw_equals_full_vocabulary_draw():
+    """The fast path (draw over the top candidates) picks the token the full-vocabulary
+    draw with the same per-token noise picks, for every row and many seeds."""
+    from metrale_jax.engine.sampling import _draw, _token_noise, kept_mask
+
+    B, V = 6, 3000
+    x = jax.random.normal(jax.random.key(0), (B, V)) * 2.0
+    st = SamplingState(temperature=jnp.ones((B,)), top_k=jnp.array([5, 40, 0, 0, 300, 1]),
+                       top_p=jnp.array([1.0, 0.9, 0.5, 0.95, 1.0, 1.0]),
+                       min_p=jnp.array([0.0, 0.0, 0.0, 0.05, 0.0, 0.0]),
+                       keys=jnp.zeros((B, 2), jnp.uint32))
+    keep = kept_mask(x, st)
+    for seed in range(20):
+        steps = jnp.full((B,), seed, jnp.int32)
+        got = _draw(x, st, steps)
+        row_keys = jax.vmap(lambda k, s: jax.random.key_data(
+            jax.random.fold_in(jax.random.wrap_key_data(k), s)))(st.keys, steps)
+        g = jax.vmap(lambda k: _token_noise(k, jnp.arange(V)))(row_keys)
+        want = jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
