@@ -13,6 +13,7 @@ Decode cache (`LayerCache`): one buffer per layer, keys transposed `[B, K, D, S]
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -116,10 +117,10 @@ def forward_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
     new_k, new_v = [], []
     for i, (state, sliding) in enumerate(zip(params.layers, graph.cfg.layer_is_sliding,
                                              strict=True)):
-        block = nnx.merge(graph.block_def, state)
         ck = None if cache is None else cache.k[i]
         cv = None if cache is None else cache.v[i]
-        x, k, v = block(x, positions, ck, cv, jnp.asarray(sliding))
+        x, k, v = _prefill_layer(graph.block_def, state, x, positions, ck, cv,
+                                 sliding=bool(sliding))
         new_k.append(k)
         new_v.append(v)
     if logits_index is not None:
@@ -129,6 +130,22 @@ def forward_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
     if cache is None:
         return logits, KVCache(new_k, new_v)
     return logits, cache.write(new_k, new_v, positions)
+
+
+# One layer as its own jitted function: inside a compiled step, every layer with the same
+# shapes reuses one traced body (JAX caches it), so tracing and lowering a 30-layer program
+# costs about one layer, not thirty; XLA inlines the calls, so the compiled code is the same.
+@functools.partial(jax.jit, static_argnames=("block_def", "sliding"))
+def _prefill_layer(block_def, state, x, positions, cache_k, cache_v, *, sliding: bool):
+    block = nnx.merge(block_def, state)
+    return block(x, positions, cache_k, cache_v, jnp.asarray(sliding))
+
+
+@functools.partial(jax.jit, static_argnames=("block_def", "sliding", "lengths"))
+def _decode_layer(block_def, state, x, positions, cache_kt, cache_v, index, *, sliding: bool,
+                  lengths: tuple[int, ...]):
+    block = nnx.merge(block_def, state)
+    return block.decode(x, positions, cache_kt, cache_v, sliding, index, lengths)
 
 
 MIN_ATTENTION_LENGTH = 128
@@ -160,9 +177,8 @@ def decode_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
     kts, vs = [], []
     for i, (state, sliding) in enumerate(zip(params.layers, graph.cfg.layer_is_sliding,
                                              strict=True)):
-        block_mod = nnx.merge(graph.block_def, state)
-        x, kt, v = block_mod.decode(x, positions, cache.kt[i], cache.v[i], sliding, index,
-                                    lengths)
+        x, kt, v = _decode_layer(graph.block_def, state, x, positions, cache.kt[i],
+                                 cache.v[i], index, sliding=bool(sliding), lengths=lengths)
         kts.append(kt)
         vs.append(v)
     return _head(graph, params, x[:, 0]), LayerCache(tuple(kts), tuple(vs))
