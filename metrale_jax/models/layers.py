@@ -37,13 +37,38 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(init((size,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        w = self.weight[...].astype(jnp.float32)
-        if self.offset:
-            # Gemma scales in float32 and casts once, at the end.
-            return (x32 * (1.0 + w)).astype(x.dtype)
-        return w.astype(x.dtype) * x32.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps, self.offset)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool) -> jax.Array:
+    """`x / rms(x) * w` (or `* (1 + w)` when `offset`) over the last axis; x: [..., N],
+    weight: [N]; statistics in float32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:  # Gemma scales in float32 and casts once, at the end.
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def embed_tokens(cfg: ModelConfig, embed: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Token embeddings `[..., E]` of `tokens` from `embed: [V, E]` (scaled by sqrt(E) for
+    Gemma)."""
+    x = embed[tokens]
+    if cfg.embed_scale:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    return x
+
+
+def lm_logits(cfg: ModelConfig, x: jax.Array, embed: jax.Array,
+              lm_head: jax.Array | None) -> jax.Array:
+    """Normalised hidden states `x: [..., E]` -> logits `[..., V] float32`: the LM head
+    (`lm_head: [E, V]`, or the tied `embed: [V, E]`) and the final soft-cap."""
+    tied = cfg.tie_word_embeddings
+    logits = jnp.einsum("...e,ve->...v", x, embed) if tied else x @ lm_head
+    logits = logits.astype(jnp.float32)
+    if cfg.final_logit_softcap:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float,

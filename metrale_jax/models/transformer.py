@@ -16,7 +16,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.models.kv_cache import KVCache
-from metrale_jax.models.layers import MLP, Attention, RMSNorm
+from metrale_jax.models.layers import MLP, Attention, RMSNorm, embed_tokens, lm_logits
 
 
 class Block(nnx.Module):
@@ -91,9 +91,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions, cache: KVCache | None = None, logits_index=None):
         cfg = self.cfg
         embed = self.embed[...]
-        x = embed[tokens]
-        if cfg.embed_scale:
-            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+        x = embed_tokens(cfg, embed, tokens)
         sliding = jnp.asarray(cfg.layer_is_sliding)
         block_def, block_state = nnx.split(self.blocks)
 
@@ -110,11 +108,8 @@ class Transformer(nnx.Module):
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        x = self.final_norm(x)
-        head = embed.T if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = (x @ head).astype(jnp.float32)
-        if cfg.final_logit_softcap:
-            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+        head = None if cfg.tie_word_embeddings else self.lm_head[...]
+        logits = lm_logits(cfg, self.final_norm(x), embed, head)
         if cache is None:
             return logits, KVCache(new_k, new_v)
         return logits, cache.write(new_k, new_v, positions)

@@ -21,6 +21,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.models.kv_cache import KVCache
+from metrale_jax.models.layers import embed_tokens, lm_logits, rms_norm
 from metrale_jax.models.transformer import Transformer
 
 # Logical axes of LayerCache buffers (engine/sharding.py maps them to the mesh).
@@ -82,31 +83,16 @@ def split_layers(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[LayerGraph,
 
 
 def _embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array) -> jax.Array:
-    embed = params.outer["embed"][...]
-    x = embed[tokens]
-    if graph.cfg.embed_scale:
-        x = x * jnp.asarray(graph.cfg.hidden_size**0.5, x.dtype)
-    return x
+    return embed_tokens(graph.cfg, params.outer["embed"][...], tokens)
 
 
 def _head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
     """x: [..., E] -> logits [..., V] float32 (final norm, head, final softcap)."""
     cfg = graph.cfg
-    w = params.outer["final_norm"]["weight"][...]
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    if cfg.norm_weight_offset:
-        x = (x32 * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
-    else:
-        x = w * x32.astype(x.dtype)
-    if cfg.tie_word_embeddings:
-        logits = jnp.einsum("...e,ve->...v", x, params.outer["embed"][...])
-    else:
-        logits = x @ params.outer["lm_head"][...]
-    logits = logits.astype(jnp.float32)
-    if cfg.final_logit_softcap:
-        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-    return logits
+    x = rms_norm(x, params.outer["final_norm"]["weight"][...], cfg.rms_norm_eps,
+                 cfg.norm_weight_offset)
+    head = None if cfg.tie_word_embeddings else params.outer["lm_head"][...]
+    return lm_logits(cfg, x, params.outer["embed"][...], head)
 
 
 def forward_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,

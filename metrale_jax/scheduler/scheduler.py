@@ -252,10 +252,10 @@ class Scheduler:
         logprobs = np.asarray(out.logprobs)
         top_ids = np.asarray(out.top_ids)
         top_lps = np.asarray(out.top_logprobs)
-        for slot, seq in pending.owners.items():
+        for i, (slot, seq) in enumerate(pending.owners.items()):
             if self._slots[slot] is not seq or seq.finished:
                 continue
-            col = list(pending.owners).index(slot) if pending.first else slot
+            col = i if pending.first else slot  # prefill output: column i is item i
             for k in range(tokens.shape[0]):
                 seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
                               top_ids[k, col], top_lps[k, col])

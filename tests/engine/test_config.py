@@ -25,3 +25,22 @@ def test_invalid_fields_are_named(field, value):
     with pytest.raises(InvalidParameterError) as err:
         EngineConfig(**{field: value})
     assert err.value.param == field and field in err.value.message
+
+
+def test_prefill_defaults_fit_small_shapes():
+    """Unset prefill sizes follow max_len and max_slots instead of failing validation."""
+    small = EngineConfig(max_slots=1, max_len=100, compilation_cache_dir=None)
+    assert small.max_prefill_len == 64 and small.max_prefill_batch == 1
+    assert small.prefill_buckets == (16, 32, 64)
+    tiny = EngineConfig(max_len=8, compilation_cache_dir=None)
+    assert tiny.prefill_buckets == (8,)
+    default = EngineConfig(compilation_cache_dir=None)
+    assert default.max_prefill_len == 512 and default.max_prefill_batch == 4
+
+
+def test_only_short_buckets_are_batched_and_slot_buckets():
+    cfg = EngineConfig(max_slots=16, max_len=1024, compilation_cache_dir=None)
+    assert cfg.prefill_batch_sizes_for(64) == (1, 2, 4)
+    assert cfg.prefill_batch_sizes_for(128) == (1,)
+    assert cfg.active_slot_buckets == (1, 2, 4, 8, 16)
+    assert cfg.rows_for(1) == 1 and cfg.rows_for(5) == 8 and cfg.rows_for(16) == 16

@@ -126,3 +126,28 @@ def schemas():
     if not SPEC.exists():  # CI lays shared/ beside the clone; its absence is a setup error
         pytest.fail(f"{SPEC} is missing: the OpenAI spec must lie in ../shared/")
     return Validators(SPEC)
+
+
+def start_cli_server(*args: str):
+    """Starts `metrale serve --port 0 ARGS` as a subprocess; returns (process, base URL) once
+    it printed its URL (fails the test with its stderr if it never does)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", "0", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = proc.stdout.readline()  # blocks until ready (or the process ends)
+    match = re.search(r"at (http://\S+)/v1", line)
+    if match is None:
+        proc.kill()
+        pytest.fail(f"no URL printed: {line!r} {proc.stderr.read()[-2000:]}")
+    return proc, match.group(1)
+
+
+def stop_cli_server(proc) -> None:
+    """Kills a `start_cli_server` process if it still runs."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 
 import pytest
 
-from tests.serving.conftest import DEFAULT_GGUF, ROOT, post, sse_events, wait_healthy
+from tests.serving.conftest import (
+    DEFAULT_GGUF,
+    post,
+    sse_events,
+    start_cli_server,
+    stop_cli_server,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.default_model
 
@@ -21,19 +24,10 @@ pytestmark = pytest.mark.default_model
 def cli_server():
     if not DEFAULT_GGUF.exists():
         pytest.skip(f"{DEFAULT_GGUF} is absent (run `metrale pull`)")
-    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", "0", "--max-slots", "2",
-           "--max-len", "256", "--max-prefill-len", "64", "--grace-period", "30"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    line = proc.stdout.readline()  # blocks until ready (or the process ends)
-    match = re.search(r"at (http://\S+)/v1", line)
-    if match is None:
-        proc.kill()
-        pytest.fail(f"no URL printed: {line!r} {proc.stderr.read()[-2000:]}")
-    yield proc, match.group(1)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    proc, url = start_cli_server("--max-slots", "2", "--max-len", "256",
+                                 "--max-prefill-len", "64", "--grace-period", "30")
+    yield proc, url
+    stop_cli_server(proc)
 
 
 def test_default_model_answers(cli_server, schemas):

@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from urllib.parse import urlparse
 
 import pytest
 
-from tests.serving.conftest import ROOT, post
+from tests.serving.conftest import post, start_cli_server, stop_cli_server
 
 KEY = {"Authorization": "Bearer sekrit"}
 LONG = {"model": "tiny", "prompt": "fox", "max_tokens": 4000, "temperature": 0,
@@ -28,21 +25,12 @@ LONG = {"model": "tiny", "prompt": "fox", "max_tokens": 4000, "temperature": 0,
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model):
-    cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", str(tiny_model),
-           "--served-model-name", "tiny", "--port", "0", "--max-slots", "1", "--max-len", "4096",
-           "--max-prefill-len", "64", "--max-waiting", "1", "--api-key", "sekrit",
-           "--grace-period", "60"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    line = proc.stdout.readline()  # printed once the model is ready
-    match = re.search(r"at (http://\S+)/v1", line)
-    if match is None:
-        proc.kill()
-        pytest.fail(f"no URL printed: {line!r} {proc.stderr.read()[-2000:]}")
-    yield proc, match.group(1)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    proc, url = start_cli_server(
+        "--model", str(tiny_model), "--served-model-name", "tiny", "--max-slots", "1",
+        "--max-len", "4096", "--max-prefill-len", "64", "--max-waiting", "1",
+        "--api-key", "sekrit", "--grace-period", "60")
+    yield proc, url
+    stop_cli_server(proc)
 
 
 class Stream:
