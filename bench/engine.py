@@ -7,6 +7,7 @@ warm, and transformers' greedy `generate` (torch, CPU, float32) at batch 1 and 1
 
     .venv/bin/python bench/engine.py                     # the full table (a few minutes)
     .venv/bin/python bench/engine.py --max-len 512 --steps 8 --no-hf --no-warmup
+    .venv/bin/python bench/engine.py --sampling          # decode step time per sampling control
 """
 
 from __future__ import annotations
@@ -73,6 +74,61 @@ def decode_rate(engine: Engine, active: int, steps: int) -> float:
     return active * steps * engine.config.decode_steps / dt
 
 
+SAMPLED = {"temperature": 1.0}
+CONTROLS: dict[str, dict] = {
+    "repetition_penalty": {"repetition_penalty": 1.1},
+    "presence/frequency": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "DRY": {"dry_multiplier": 0.8, "dry_breaker_ids": (13, 28, 30)},
+    "LZ penalty": {"lz_penalty": 0.2},
+    "logit_bias (64 ids)": {"logit_bias": tuple((i * 7, 1.5) for i in range(64))},
+    "bad_words + min_tokens": {"bad_words": ((5, 6), (7, 8, 9)), "banned_ids": (11,),
+                               "min_tokens": 10_000, "stop_ids": (2,)},
+    "top_n_sigma": {"top_n_sigma": 1.5},
+    "top_k 50": {"top_k": 50},
+    "top_p 0.9": {"top_p": 0.9},
+    "min_p 0.05": {"min_p": 0.05},
+    "typical_p 0.9": {"typical_p": 0.9},
+    "XTC": {"xtc_threshold": 0.1, "xtc_probability": 0.5},
+}
+
+
+def sampling_table(engine: Engine, args) -> list[tuple[str, str]]:
+    """Decode step time at every slot busy: controls off, each alone, all on (interleaved
+    rounds, medians; ratios against 'all off, sampled')."""
+    B = engine.config.max_slots
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 2000, 200).tolist() for _ in range(B)]
+    configs = {"all off, greedy": {}, "all off, sampled": SAMPLED}
+    configs.update({name: {**SAMPLED, **c} for name, c in CONTROLS.items()})
+    configs["all on"] = {k: v for c in (SAMPLED, *CONTROLS.values()) for k, v in c.items()}
+    states = {}
+    for name, fields in configs.items():
+        items = [(s, prompts[s], SlotSettings(seed=s, **fields)) for s in range(B)]
+        states[name], _ = engine.add(engine.init_decode_state(), items)
+    mask = np.ones(B, np.bool_)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    compiles = engine.compile_count
+    for _ in range(args.rounds):
+        for name in configs:
+            state = states[name]
+            state, out = engine.step(state, mask)
+            jax.block_until_ready(out.tokens)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                state, out = engine.step(state, mask)
+            jax.block_until_ready(out.tokens)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+            states[name] = state
+    base = float(np.median(times["all off, sampled"]))
+    rows = []
+    for name in configs:
+        t = float(np.median(times[name]))
+        rows.append((f"decode step, {B} slots: {name}", f"{t * 1000:7.1f} ms   "
+                     f"{t / base:5.2f}x"))
+    rows.append(("compiles during the table", str(engine.compile_count - compiles)))
+    return rows
+
+
 def warmup_only(args) -> None:
     """Child process: builds an engine and prints its warmup seconds as JSON."""
     graphdef, params = random_model()
@@ -133,6 +189,9 @@ def main() -> None:
     p.add_argument("--warmup-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hf-only", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--sampling", action="store_true",
+                   help="only the sampling-controls table (decode step time per control)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (--sampling)")
     args = p.parse_args()
     if args.warmup_only:
         warmup_only(args)
@@ -149,13 +208,17 @@ def main() -> None:
     engine.warmup()
     rows.append(("warmup (this run's cache)", f"{time.perf_counter() - t0:.1f} s, "
                  f"{engine.compile_count} programs"))
+    if args.sampling:
+        rows += sampling_table(engine, args)
+        _print(rows, args)
+        return
     cfg = engine.config
     for P in cfg.prefill_buckets:
         for Bp in sorted({1, cfg.max_prefill_batch}):
             tokens = np.ones((Bp, P), np.int32)
             lengths = np.full(Bp, P, np.int32)
             from metrale_jax.engine.state import settings_to_arrays
-            sampling = settings_to_arrays([SlotSettings()] * Bp, Bp)
+            sampling = settings_to_arrays([SlotSettings()] * Bp, Bp, engine.vocab_size)
             dt = timed(lambda t=tokens, ln=lengths, s=sampling: jax.block_until_ready(
                 engine.prefill(engine.params, t, ln, s).first.tokens), 3 if P < 256 else 1)
             rows.append((f"prefill P={P} batch {Bp}", f"{Bp * P / dt:,.0f} tok/s "
@@ -200,6 +263,10 @@ def main() -> None:
                 hf = json.loads(res.stdout.strip().splitlines()[-1])["rate"]
                 rows.append((f"transformers generate batch {b}",
                              f"{hf:,.1f} tok/s; engine/transformers = {ours[b] / hf:.2f}x"))
+    _print(rows, args)
+
+
+def _print(rows: list[tuple[str, str]], args) -> None:
     width = max(len(k) for k, _ in rows)
     print(f"Metrale-JAX engine, {DEFAULT_SHAPE.architecture} default-model shape, "
           f"{jax.devices()[0].platform}, float32, decode_steps={args.decode_steps}")

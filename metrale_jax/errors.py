@@ -45,6 +45,15 @@ class InvalidParameterError(MetraleError):
     """A request or sampling parameter has a wrong type or is out of range."""
 
 
+class MemoryPlanError(InvalidParameterError):
+    """The params and the requested KV cache do not fit in the devices' memory (or the memory
+    is unknown and nothing says how large the cache may be). Raised before anything is
+    allocated; the message gives the numbers per device."""
+
+    def __init__(self, message: str, *, param: str | None = "memory_gb"):
+        super().__init__(message, param=param, code="insufficient_memory")
+
+
 class CheckpointError(MetraleError):
     """A checkpoint is missing, truncated, corrupt or disagrees with its config.
 

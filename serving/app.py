@@ -1,8 +1,9 @@
 """`create_app(settings)`: the Quart app of the OpenAI-compatible server.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
-GET /metrics, POST /tokenize, POST /detokenize. Every answer carries `x-request-id`; every error
-is `{"error": {"message", "type", "param", "code"}}`. Loading and warmup start with the app
+GET /metrics, GET /v1/metrale/stats (serving/stats.py), POST /tokenize, POST /detokenize.
+Every answer carries `x-request-id`; every error is `{"error": {"message", "type", "param",
+"code"}}` (and is noted in the stats' error log). Loading and warmup start with the app
 (`before_serving`); /health is 503 until the model is ready.
 """
 
@@ -41,6 +42,7 @@ from serving.protocol import (
 from serving.runtime import ModelRuntime
 from serving.settings import ServerSettings
 from serving.state import ServerState
+from serving.stats import stats_body
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +113,20 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
             response.headers[IGNORED_HEADER] = ", ".join(ignored)
         return response
 
+    def _record(status: int, error_type: str, message: str) -> None:
+        state.errors.record(status, error_type, message, getattr(g, "request_id", None))
+
     @app.errorhandler(MetraleError)
     async def _metrale_error(e: MetraleError) -> Response:
         if e.status >= 500 and e.status != 503:
             log.error("request %s: %s", getattr(g, "request_id", "?"), e.message)
+        _record(e.status, e.error_type, e.message)
         return _error(e)
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException) -> Response:
         status = e.code or 500
+        _record(status, "http_error", f"{request.method} {request.path}: {e.name}")
         if status == 404:
             return _error(NotFoundError(f"no route {request.method} {request.path}"))
         if status == 405:
@@ -134,6 +141,7 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
     @app.errorhandler(Exception)
     async def _bug(e: Exception) -> Response:
         log.error("request %s failed", getattr(g, "request_id", "?"), exc_info=e)
+        _record(500, "server_error", f"internal server error ({type(e).__name__})")
         return _error(InternalError(f"internal server error ({type(e).__name__}); request id "
                                     f"{getattr(g, 'request_id', '?')}"))
 
@@ -141,6 +149,8 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
         rt = state.runtime
         state.begin()
         if prep.stream:
+            rid = g.request_id
+            prep.on_error = lambda e: state.errors.record(e.status, e.error_type, e.message, rid)
             done = _once(state.end)
             # The task that sends the body also ran this handler: if the client leaves before
             # the body starts, the generator never runs, so its end is tied to the task too.
@@ -191,6 +201,10 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), content_type=CONTENT_TYPE)
+
+    @app.get("/v1/metrale/stats")
+    async def stats() -> Response:
+        return _json(stats_body(state))
 
     @app.post("/tokenize")
     async def tokenize() -> Response:

@@ -1,4 +1,6 @@
-"""The `metrale` command line: `pull`, `convert`, `generate` and `serve`.
+"""The `metrale` command line: `pull`, `convert`, `generate`, `serve`, `models`, `chat`,
+`bench` and `top` (each of the last four in its own module: serving/cli_models.py,
+cli_chat.py, cli_bench.py, tui_top.py).
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input (one line on stderr, never a
 traceback).
@@ -55,10 +57,19 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Converts a checkpoint (HF folder, GGUF, default) into Metrale's orbax format."""
+    from pathlib import Path
+
     from metrale_jax.weights.checkpoint import load_checkpoint
     from metrale_jax.weights.orbax_store import save_orbax
-    ckpt = load_checkpoint(args.src, args.dtype)
-    out = save_orbax(ckpt, args.dst)
+    from serving.progress import StageProgress, progress_kwargs, stage
+    if Path(args.dst).expanduser().exists():  # before the slow part
+        raise MetraleError(f"{args.dst}: already exists; choose a new folder")
+    with StageProgress() as progress:
+        with stage(progress, "loading weights") as step:
+            ckpt = load_checkpoint(args.src, args.dtype,
+                                   **progress_kwargs(load_checkpoint, step))
+        with stage(progress, "writing orbax checkpoint") as step:
+            out = save_orbax(ckpt, args.dst, **progress_kwargs(save_orbax, step))
     print(out)
     return 0
 
@@ -66,10 +77,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generates from one prompt, streaming text to stdout (or one JSON Completion)."""
     from metrale_jax import LLM
-    from metrale_jax.scheduler import SamplingParams
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, max_slots=1, max_len=args.max_len)
+    from serving.cli_sampling import sampling_params_from_args
+    params = sampling_params_from_args(args)
+    llm = LLM(args.model, dtype=args.dtype, max_slots=1, max_len=args.max_len,
+              logprobs_mode=args.logprobs_mode)
     try:
         if args.chat:
             messages = [{"role": "user", "content": args.prompt}]
@@ -97,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.settings import ServerSettings
     if args.max_slots < 1 or args.max_len < 2:
         raise MetraleError("--max-slots must be ≥ 1 and --max-len ≥ 2")
-    options = {}
+    options = {"logprobs_mode": args.logprobs_mode}
     if args.max_prefill_len is not None:
         options["max_prefill_len"] = args.max_prefill_len
     settings = ServerSettings(
@@ -106,19 +117,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
         max_waiting=args.max_waiting)
+    from serving.progress import StageProgress
     logging.getLogger("serving").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     print(f"metrale: loading {args.model} ...", file=sys.stderr)
+    progress = StageProgress()
 
     def ready(url: str) -> None:
+        progress.close()
         print(f"metrale: serving {settings.model_name!r} at {url}/v1 (Ctrl-C to stop)",
               flush=True)
 
     try:
-        serve(settings, on_ready=ready)
+        serve(settings, on_ready=ready, progress=progress)
     except OSError as e:  # the port is taken, or the host is not ours
         raise MetraleError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    finally:
+        progress.close()
     print("metrale: stopped", file=sys.stderr)
     return 0
+
+
+def _logprobs_mode_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
+                        help="logprobs of the model's raw log-softmax (default, as vLLM) or of "
+                             "the processed distribution actually sampled from")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,14 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
     gen.add_argument("--max-len", type=int, default=2048, help="context length (cache size)")
     gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                      help="params and compute dtype (default float32, or an orbax "
                           "checkpoint's stored dtype)")
     gen.add_argument("--json", action="store_true", help="print the Completion as JSON")
+    _logprobs_mode_flag(gen)
+    from serving.cli_sampling import add_sampling_flags
+    add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -174,7 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests that may wait for a slot; beyond: 503 with Retry-After")
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds in-flight requests get after SIGTERM")
+    _logprobs_mode_flag(srv)
     srv.set_defaults(func=cmd_serve)
+
+    from serving import cli_bench, cli_chat, cli_models, tui_top
+    for module in (cli_models, cli_chat, cli_bench, tui_top):
+        module.add_parser(sub)
     return p
 
 
@@ -183,10 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from serving.cli_bench import BenchFailedError
+    from serving.http_client import APIError, UnreachableError
     try:
         return args.func(args)
     except FetchError as e:  # the registry or the download failed: a runtime failure
         print(f"metrale: failed: {e.message}", file=sys.stderr)
+        return 1
+    except (UnreachableError, APIError, BenchFailedError) as e:  # the server is away or said no
+        print(f"metrale: failed: {e}", file=sys.stderr)
         return 1
     except MetraleError as e:
         print(f"metrale: error: {e.message}", file=sys.stderr)

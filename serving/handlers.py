@@ -35,13 +35,15 @@ class Prepared:
     """A validated, submitted request: what the response writers need."""
 
     def __init__(self, gen: Generation, env: Envelope, stream: bool, include_usage: bool,
-                 logprobs: bool, echo: list[str] | None = None):
+                 logprobs: bool, echo: list[str] | None = None, token_ids: bool = False):
         self.gen = gen
+        self.token_ids = token_ids  # return_token_ids: prompt and output ids (vLLM's shape)
         self.env = env
         self.stream = stream
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.echo = echo
+        self.on_error: Callable[[MetraleError], None] | None = None  # errors sent in a stream
 
 
 def _timeout(state: ServerState, requested: float | None) -> float | None:
@@ -62,7 +64,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
     gen.check()
     gen.submit()
     env = Envelope("chatcmpl", "chat.completion", state.settings.model_name, rt.fingerprint)
-    return Prepared(gen, env, req.stream, req.include_usage, req.logprobs)
+    return Prepared(gen, env, req.stream, req.include_usage, req.logprobs,
+                    token_ids=req.return_token_ids)
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest,
@@ -86,7 +89,8 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
     gen.submit()
     env = Envelope("cmpl", "text_completion", state.settings.model_name, rt.fingerprint)
     echo = [texts[c.prompt_index] for c in gen.choices] if req.echo else None
-    return Prepared(gen, env, req.stream, req.include_usage, req.logprobs is not None, echo)
+    return Prepared(gen, env, req.stream, req.include_usage, req.logprobs is not None, echo,
+                    token_ids=req.return_token_ids)
 
 
 async def collect(prep: Prepared) -> None:
@@ -104,7 +108,12 @@ def chat_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
                         "logprobs": chat_logprobs(c.logprobs, rt.token_str)
                         if prep.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return prep.env.body(choices, usage(gen.prompt_tokens, gen.completion_tokens))
+        if prep.token_ids:
+            choices[-1]["token_ids"] = list(c.token_ids)
+    body = prep.env.body(choices, usage(gen.prompt_tokens, gen.completion_tokens))
+    if prep.token_ids:
+        body["prompt_token_ids"] = list(gen.requests[0].prompt_ids)
+    return body
 
 
 def completion_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
@@ -117,6 +126,9 @@ def completion_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
                         "logprobs": completion_logprobs(c.logprobs, rt.token_str, len(prefix))
                         if prep.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        if prep.token_ids:
+            choices[-1]["prompt_token_ids"] = list(gen.requests[c.index].prompt_ids)
+            choices[-1]["token_ids"] = list(c.token_ids)
     return prep.env.body(choices, usage(gen.prompt_tokens, gen.completion_tokens))
 
 
@@ -137,11 +149,16 @@ async def _stream(prep: Prepared, first: Callable[[], list[bytes]],
                                     obj=prep.env.object))
         yield DONE
     except MetraleError as e:
+        if prep.on_error is not None:
+            prep.on_error(e)
         yield sse(e.to_openai())
         yield DONE
     except Exception:
         log.exception("stream %s failed", prep.env.id)
-        yield sse(InternalError("internal error while streaming").to_openai())
+        error = InternalError("internal error while streaming")
+        if prep.on_error is not None:
+            prep.on_error(error)
+        yield sse(error.to_openai())
         yield DONE
     finally:
         gen.cancel()
@@ -155,25 +172,34 @@ def chat_stream(prep: Prepared, rt: ModelRuntime,
     env, usage_key = prep.env, prep.include_usage
     env.object = "chat.completion.chunk"
 
-    def chunk(choice: dict) -> bytes:
-        return sse(env.body([choice], None, include_usage_key=usage_key))
+    def chunk(choice: dict, extra: dict | None = None) -> bytes:
+        body = env.body([choice], None, include_usage_key=usage_key)
+        return sse({**body, **extra} if extra else body)
 
     def first() -> list[bytes]:
+        extra = ({"prompt_token_ids": list(prep.gen.requests[0].prompt_ids)}
+                 if prep.token_ids else None)
         return [chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
-                       "logprobs": None, "finish_reason": None}) for c in prep.gen.choices]
+                       "logprobs": None, "finish_reason": None}, extra)
+                for c in prep.gen.choices]
 
     def on_event(c: ChoiceState, event: Any) -> bytes | None:
         if isinstance(event, Token):
-            if not event.text and not event.logprobs:
+            if not event.text and not event.logprobs and not prep.token_ids:
                 return None
             lp = chat_logprobs(event.logprobs, rt.token_str) if prep.logprobs else None
-            return chunk({"index": c.index, "delta": {"content": event.text}, "logprobs": lp,
-                          "finish_reason": None})
+            choice = {"index": c.index, "delta": {"content": event.text}, "logprobs": lp,
+                      "finish_reason": None}
+            if prep.token_ids:
+                choice["token_ids"] = list(event.token_ids)
+            return chunk(choice)
         if isinstance(event, Finished):
             delta = {"content": event.text} if event.text else {}
-            return chunk({"index": c.index, "delta": delta, "logprobs": None,
-                          "finish_reason": event.finish_reason,
-                          "stop_reason": event.stop_reason})
+            choice = {"index": c.index, "delta": delta, "logprobs": None,
+                      "finish_reason": event.finish_reason, "stop_reason": event.stop_reason}
+            if prep.token_ids:
+                choice["token_ids"] = []
+            return chunk(choice)
         return None
 
     return _stream(prep, first, on_event, done)
@@ -189,25 +215,37 @@ def completion_stream(prep: Prepared, rt: ModelRuntime,
         return sse(env.body([choice], None, include_usage_key=False))
 
     def first() -> list[bytes]:
-        if not prep.echo:
+        if not prep.echo and not prep.token_ids:
             return []
-        return [chunk({"index": c.index, "text": prep.echo[c.index], "logprobs": None,
-                       "finish_reason": None}) for c in prep.gen.choices]
+        out = []
+        for c in prep.gen.choices:
+            choice = {"index": c.index, "text": prep.echo[c.index] if prep.echo else "",
+                      "logprobs": None, "finish_reason": None}
+            if prep.token_ids:
+                choice["prompt_token_ids"] = list(prep.gen.requests[c.index].prompt_ids)
+                choice["token_ids"] = []
+            out.append(chunk(choice))
+        return out
 
     def on_event(c: ChoiceState, event: Any) -> bytes | None:
         if isinstance(event, Token):
-            if not event.text and not event.logprobs:
+            if not event.text and not event.logprobs and not prep.token_ids:
                 return None
             lp = None
             if prep.logprobs:
                 lp = completion_logprobs(event.logprobs, rt.token_str, offsets[c.index])
             offsets[c.index] += len(event.text)
-            return chunk({"index": c.index, "text": event.text, "logprobs": lp,
-                          "finish_reason": None})
+            choice = {"index": c.index, "text": event.text, "logprobs": lp,
+                      "finish_reason": None}
+            if prep.token_ids:
+                choice["token_ids"] = list(event.token_ids)
+            return chunk(choice)
         if isinstance(event, Finished):
-            return chunk({"index": c.index, "text": event.text, "logprobs": None,
-                          "finish_reason": event.finish_reason,
-                          "stop_reason": event.stop_reason})
+            choice = {"index": c.index, "text": event.text, "logprobs": None,
+                      "finish_reason": event.finish_reason, "stop_reason": event.stop_reason}
+            if prep.token_ids:
+                choice["token_ids"] = []
+            return chunk(choice)
         return None
 
     return _stream(prep, first, on_event, done)

@@ -1,8 +1,9 @@
 """The request bodies of the OpenAI API (plus vLLM's extras) as pydantic models.
 
 Validation happens here, before anything is queued: wrong types and out-of-range values become
-`InvalidParameterError` (HTTP 400) naming the parameter. Parameters the engine does not
-implement yet are accepted only at their default value; anything else is a 400 that says so.
+`InvalidParameterError` (HTTP 400) naming the parameter (`SamplingParams` checks the rest).
+Parameters the engine does not implement yet are accepted only at their default value;
+anything else is a 400 that says so.
 Unknown fields are kept (`extra="allow"`) so the app can log them and name them in a header.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.scheduler import SamplingParams
@@ -59,20 +60,26 @@ class _Sampling(_Body):
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Metrale's extension: seconds until the request ends with a timeout error.
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    bad_words: list[str] | None = None
+    typical_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    return_token_ids: bool = False
+    # llama.cpp's samplers
+    dry_multiplier: Annotated[float, Field(ge=0)] | None = None
+    dry_base: Annotated[float, Field(ge=1)] | None = None
+    dry_allowed_length: Annotated[int, Field(ge=0)] | None = None
+    dry_penalty_last_n: Annotated[int, Field(ge=-1)] | None = None
+    dry_sequence_breakers: list[str] | None = None
+    top_n_sigma: float | None = None
+    xtc_threshold: Annotated[float, Field(ge=0, le=1)] | None = None
+    xtc_probability: Annotated[float, Field(ge=0, le=1)] | None = None
+    # Metrale's extensions: the LZ penalty, repetition detection, and seconds until the
+    # request ends with a timeout error.
+    lz_penalty: Annotated[float, Field(ge=0)] | None = None
+    repetition_detection: StrictBool | dict[str, Any] | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None
 
     def _check_unsupported(self) -> None:
-        def no(param: str, what: str) -> InvalidParameterError:
-            return InvalidParameterError(f"{param} is not supported yet: {what}", param=param)
-
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise no(name, "the engine does not implement penalties; use 0")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise no("repetition_penalty", "the engine does not implement penalties; use 1")
-        if self.logit_bias:
-            raise no("logit_bias", "the engine does not implement logit biases; omit it")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options is only allowed when stream is true",
                                         param="stream_options")
@@ -80,6 +87,17 @@ class _Sampling(_Body):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The scheduler's `SamplingParams` of one choice."""
         stop = self.stop if self.stop is not None else ()
+
+        def given(name: str, default: Any) -> Any:
+            value = getattr(self, name)
+            return default if value is None else value
+
+        extras = {name: getattr(self, name) for name in (
+            "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+            "dry_sequence_breakers", "top_n_sigma", "xtc_threshold", "xtc_probability",
+            "lz_penalty", "typical_p") if getattr(self, name) is not None}
+        if extras.get("dry_sequence_breakers") is not None:
+            extras["dry_sequence_breakers"] = tuple(extras["dry_sequence_breakers"])
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else float(self.temperature),
@@ -93,6 +111,14 @@ class _Sampling(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            repetition_penalty=float(given("repetition_penalty", 1.0)),
+            presence_penalty=float(given("presence_penalty", 0.0)),
+            frequency_penalty=float(given("frequency_penalty", 0.0)),
+            logit_bias=dict(self.logit_bias or {}),
+            min_tokens=self.min_tokens,
+            bad_words=tuple(self.bad_words or ()),
+            repetition_detection=self.repetition_detection,
+            **extras,
         )
 
     @property

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from metrale_jax.errors import ChatTemplateError, MetraleError
+from serving.progress import ProgressFn, accepts_keyword, progress_kwargs, stage
 from serving.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
+LOADING, COMPILING = "loading weights", "compiling"
 STATES = ("starting", "loading", "warming_up", "ready", "failed", "draining", "stopped")
 
 
@@ -26,10 +28,13 @@ class ModelRuntime:
     """One served model: checkpoint, tokenizer, chat template and `Scheduler`.
 
     state: one of STATES. error: the loading failure, when state is "failed".
+    progress: `(stage, done, total)` reports of the "loading weights" and "compiling" stages
+        (the CLI's bars); steps inside a stage are reported where the library offers a hook.
     """
 
-    def __init__(self, settings: ServerSettings):
+    def __init__(self, settings: ServerSettings, progress: ProgressFn | None = None):
         self.settings = settings
+        self.progress = progress
         self.state = "starting"
         self.error: BaseException | None = None
         self.checkpoint: Any = None
@@ -54,7 +59,9 @@ class ModelRuntime:
         try:
             self.state = "loading"
             log.info("loading %s", s.model)
-            ckpt = load_checkpoint(s.model, s.dtype)
+            with stage(self.progress, LOADING) as step:
+                ckpt = load_checkpoint(s.model, s.dtype, **progress_kwargs(
+                    load_checkpoint, step if self.progress else None))
             self.checkpoint = ckpt
             options = dict(s.engine_options)
             # EngineConfig's default prefill batch (4) must not exceed the slots.
@@ -63,9 +70,13 @@ class ModelRuntime:
                                   **options)
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params, config)
             self.state = "warming_up"
-            self.scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
-                                       max_waiting=s.max_waiting, warmup=s.warmup)
-            self.scheduler.wait_ready()
+            with stage(self.progress if s.warmup else None, COMPILING) as step:
+                hook = step if self.progress and accepts_keyword(engine.warmup, "progress") \
+                    else None
+                self.scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
+                                           max_waiting=s.max_waiting, warmup=s.warmup,
+                                           warmup_progress=hook)
+                self.scheduler.wait_ready()
             if self.state == "warming_up":
                 self.state = "ready"
             log.info("ready: %s (%d programs compiled)", s.model_name, engine.compile_count)

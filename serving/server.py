@@ -22,6 +22,8 @@ from hypercorn.config import Config
 from quart import Quart
 
 from serving.app import create_app, server_state
+from serving.progress import ProgressFn
+from serving.runtime import ModelRuntime
 from serving.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -96,10 +98,13 @@ async def run_server(app: Quart, sock: socket.socket, stop: asyncio.Event,
         raise state.runtime.error
 
 
-def serve(settings: ServerSettings, on_ready: Callable[[str], None] | None = None) -> None:
-    """Runs the server in this (main) thread until SIGTERM or SIGINT."""
+def serve(settings: ServerSettings, on_ready: Callable[[str], None] | None = None,
+          progress: ProgressFn | None = None) -> None:
+    """Runs the server in this (main) thread until SIGTERM or SIGINT.
+
+    `progress(stage, done, total)` reports loading and compiling (the CLI's bars)."""
     sock = bind_socket(settings.host, settings.port)
-    app = create_app(settings)
+    app = create_app(settings, ModelRuntime(settings, progress) if progress else None)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -10,12 +10,13 @@ from serving.errors import UnavailableError
 from serving.metrics import Metrics
 from serving.runtime import ModelRuntime
 from serving.settings import ServerSettings
+from serving.stats import ErrorLog
 
 log = logging.getLogger(__name__)
 
 
 class ServerState:
-    """The app's runtime, metrics, in-flight count and draining flag.
+    """The app's runtime, metrics, error log, in-flight count and draining flag.
 
     `active` counts generation requests accepted and not yet answered; `drain()` waits for it
     to reach zero (graceful shutdown), then cancels what is left.
@@ -25,6 +26,7 @@ class ServerState:
         self.settings = settings
         self.runtime = runtime or ModelRuntime(settings)
         self.metrics = Metrics(lambda: self.runtime)
+        self.errors = ErrorLog()
         self.draining = False
         self.active = 0
         self._idle: asyncio.Event | None = None

@@ -38,6 +38,8 @@ class EngineConfig:
     compilation_cache_dir: JAX's persistent compilation cache folder (None = off); defaults to
         $METRALE_JAX_CACHE or ~/.cache/metrale/jax.
     num_top_logprobs: N, the top log-probabilities returned for every sampled token.
+    logprobs_mode: "raw" (the model's log-softmax, as vLLM) or "processed" (the distribution
+        actually sampled from: after penalties, biases, masks, temperature and truncation).
     """
 
     max_slots: int = 8
@@ -51,6 +53,7 @@ class EngineConfig:
     cache_dtype: str | None = None
     compilation_cache_dir: str | None = dataclasses.field(default_factory=_default_cache_dir)
     num_top_logprobs: int = 20
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -74,6 +77,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value & (value - 1):
                 raise bad(name, "must be a power of two")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise bad("logprobs_mode", "must be 'raw' or 'processed'")
         if self.max_len < 2:
             raise bad("max_len", "must be at least 2")
         if self.min_prefill_bucket > self.max_prefill_len:

@@ -28,8 +28,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import jax
@@ -40,7 +40,7 @@ from flax import nnx
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import steps
 from metrale_jax.engine.config import EngineConfig
-from metrale_jax.engine.sampling import SamplingState
+from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.engine.sharding import make_mesh, named_sharding
 from metrale_jax.engine.state import (
     SLOT_AXES,
@@ -117,20 +117,22 @@ class Engine:
         self._compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         N, B = cfg.num_top_logprobs, cfg.max_slots
+        self.vocab_size = model_config.vocab_size
+        sc = steps.SampleConfig(N, cfg.logprobs_mode)
         self.state_shardings = self._state_shardings()
         self._jit_init = jax.jit(
             functools.partial(steps.init_state, model_config, B, cfg.max_len, self.cache_dtype),
             out_shardings=self.state_shardings)
         self._jit_prefill = jax.jit(
-            functools.partial(steps.prefill_step, self.graph, N, self.cache_dtype))
+            functools.partial(steps.prefill_step, self.graph, sc, self.cache_dtype))
         self._jit_insert = jax.jit(steps.insert_step, donate_argnums=(1, 4))
         self._jit_prefill_insert = jax.jit(
-            functools.partial(steps.prefill_insert_step, self.graph, N, self.cache_dtype),
+            functools.partial(steps.prefill_insert_step, self.graph, sc, self.cache_dtype),
             donate_argnums=(1, 2))
-        self._jit_chunk = jax.jit(functools.partial(steps.chunk_step, self.graph, N),
+        self._jit_chunk = jax.jit(functools.partial(steps.chunk_step, self.graph, sc),
                                   donate_argnums=(1, 2))
         self._jit_generate = {
-            n: jax.jit(functools.partial(steps.generate_step, self.graph, N, cfg.decode_steps, n),
+            n: jax.jit(functools.partial(steps.generate_step, self.graph, sc, cfg.decode_steps, n),
                        donate_argnums=(1,))
             for n in cfg.active_slot_buckets}
         self._state_spec = _abstract(jax.eval_shape(self._jit_init))
@@ -146,11 +148,17 @@ class Engine:
         slots = named_sharding(SLOT_AXES, self.mesh)
         kt = named_sharding(LAYER_KEY_AXES, self.mesh)
         v = named_sharding(LAYER_VALUE_AXES, self.mesh)
-        keys = named_sharding((*SLOT_AXES, None), self.mesh)
         L = self.model_config.num_layers
+
+        def per_slot(a):  # every per-slot array: the slots axis, the rest replicated
+            return named_sharding((*SLOT_AXES,) + (None,) * (a.ndim - 1), self.mesh)
+
+        spec = jax.eval_shape(functools.partial(
+            steps.init_state, self.model_config, self.config.max_slots, 2, self.cache_dtype))
         return DecodeState(
             cache=LayerCache((kt,) * L, (v,) * L), positions=slots, tokens=slots, steps=slots,
-            sampling=SamplingState(slots, slots, slots, slots, keys))
+            sampling=jax.tree.map(per_slot, spec.sampling),
+            history=jax.tree.map(per_slot, spec.history))
 
     def _executable(self, key: tuple, fn, *specs):
         exe = self._compiled.get(key)
@@ -166,9 +174,7 @@ class Engine:
         return self._compiled[key]
 
     def _sampling_spec(self, rows: int) -> SamplingState:
-        f, i = jnp.float32, jnp.int32
-        return SamplingState(_spec((rows,), f), _spec((rows,), i), _spec((rows,), f),
-                             _spec((rows,), f), _spec((rows, 2), jnp.uint32))
+        return _abstract(SamplingState.host_defaults(rows, self.vocab_size))
 
     def _prefill_exe(self, P: int, Bp: int):
         i32 = jnp.int32
@@ -205,8 +211,13 @@ class Engine:
     def _init_exe(self):
         return self._executable(("init",), self._jit_init)
 
-    def warmup(self, workers: int = 2) -> float:
-        """Compiles every program (all buckets and prefill batch sizes); returns seconds."""
+    def warmup(self, workers: int = 2,
+               progress: Callable[[int, int], None] | None = None) -> float:
+        """Compiles every program (all buckets and prefill batch sizes); returns seconds.
+
+        progress: called as `progress(done, total)` after each program is ready (from the
+        calling thread), for progress bars.
+        """
         t0 = time.perf_counter()
         cfg = self.config
         jobs = [self._init_exe, self._chunk_exe]
@@ -215,8 +226,11 @@ class Engine:
             for Bp in cfg.prefill_batch_sizes_for(P):
                 jobs.append(functools.partial(self._prefill_insert_exe, P, Bp))
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            for f in [pool.submit(job) for job in jobs]:
+            futures = [pool.submit(job) for job in jobs]
+            for done, f in enumerate(as_completed(futures), 1):
                 f.result()
+                if progress is not None:
+                    progress(done, len(jobs))
         seconds = time.perf_counter() - t0
         log.info("warmup: %d programs in %.1f s", self.compile_count, seconds)
         return seconds
@@ -325,14 +339,15 @@ class Engine:
                     slot, ids, _ = items[i]
                     tokens[r, :len(ids)] = ids
                     lengths[r], slots[r], cols[r] = len(ids), slot, i
-                sampling = settings_to_arrays([items[i][2] for i in group], Bp)
+                sampling = settings_to_arrays([items[i][2] for i in group], Bp,
+                                              self.vocab_size)
                 state, first = self._prefill_insert_exe(P, Bp)(
                     self.params, state, first, tokens, lengths, sampling, slots, cols)
         P = cfg.max_prefill_len
         for i in long:
             slot, ids, settings = items[i]
             ids = np.asarray(ids, np.int32)
-            sampling = settings_to_arrays([settings], 1)
+            sampling = settings_to_arrays([settings], 1, self.vocab_size)
             for start in range(0, len(ids), P):
                 chunk = ids[start:start + P]
                 tokens = np.zeros((1, P), np.int32)

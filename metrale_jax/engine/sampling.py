@@ -1,24 +1,24 @@
-"""Per-slot sampling on the device: greedy, temperature, top-k, top-p and min-p.
+"""Per-slot sampling on the device: logits processors, truncation, and the draw.
 
 Every setting is an array with one entry per slot (`SamplingState`), so no request compiles
 anything. Row `b` is drawn with the key `fold_in(keys[b], steps[b])`, so a seeded request gives
 the same tokens whatever else is in the batch.
 
-Semantics (the order transformers applies its warpers in):
-1. `process_logits` (the one place for logits processors: penalties, biases, masks).
+The fixed order (also in `SamplingParams`' docstring):
+1. `process_logits` (engine/logits_processors.py): penalties (repetition, presence/frequency,
+   DRY, LZ), then logit_bias, then bans and min_tokens masks, then top-nσ.
 2. temperature 0 = greedy (argmax of the processed logits); otherwise `x = logits / T`.
-3. top-k keeps the k largest `x` (0 = off); top-p then keeps, in descending order, each token
-   whose preceding probability mass (renormalised over the top-k set) is below `top_p`; min-p
-   keeps tokens with `p >= min_p * p_max` (a ratio, so it commutes with renormalising).
+3. top_k -> top_p -> min_p -> typical_p -> XTC (engine/truncation.py), each renormalising over
+   the tokens still kept.
 4. The draw is Gumbel-max over the kept set with noise indexed by token id (a hash of the
    row's step key and the id), so the result does not depend on how the kept set was found:
-   a row whose kept set lies within its candidates draws over those only.
+   a row whose kept set lies within its top `CANDIDATES` draws over those only, a row whose
+   kept set is a band of the vocabulary draws over the whole row, and only a row that needs
+   it pays for a full sort (each computed only when some row needs it, with `lax.cond`).
 
-Finding the kept set without sorting all `V` logits: top-k/top-p are applied to the `CANDIDATES`
-largest logits (`lax.top_k`) and turned into a threshold on `x`. When a slot's kept set may
-reach beyond the candidates (top_k > CANDIDATES, or a nucleus wider than them) that slot takes
-its threshold from a full sort instead, computed only when some slot needs it (`lax.cond`).
-Either way each slot's threshold depends on its own logits only.
+Log-probabilities: "raw" (default) reports the model's own log-softmax; "processed" reports the
+distribution actually sampled from (processed, tempered, truncated; greedy rows: the processed
+logits at temperature 1).
 """
 
 from __future__ import annotations
@@ -30,44 +30,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry2x32_p
 
+from metrale_jax.engine.logits_processors import process_logits
+from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
+from metrale_jax.engine.truncation import BAND, EXACT, NEEDS_FULL, truncate
+
 CANDIDATES = 256
-"""How many of the largest logits the top-k/top-p fast path looks at."""
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingState:
-    """Per-slot sampling settings, all arrays with a leading `B` (slots) axis.
-
-    temperature: [B] float32, 0 = greedy.  top_k: [B] int32, 0 = off.
-    top_p: [B] float32 in (0, 1].  min_p: [B] float32 in [0, 1].
-    keys: [B, 2] uint32, raw threefry key data of each slot's seed.
-    """
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
-    keys: jax.Array
-
-    @classmethod
-    def host_defaults(cls, batch: int) -> SamplingState:
-        """Greedy settings for `batch` slots, as NumPy arrays."""
-        return cls(temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
-                   top_p=np.ones(batch, np.float32), min_p=np.zeros(batch, np.float32),
-                   keys=np.zeros((batch, 2), np.uint32))
-
-    def set_rows(self, rows: jax.Array, other: SamplingState) -> SamplingState:
-        """Rows `rows: [R] int32` replaced by `other` ([R] rows); out of range: dropped."""
-        return jax.tree.map(lambda a, b: a.at[rows].set(b.astype(a.dtype), mode="drop"),
-                            self, other)
+"""How many of the largest logits the fast path looks at."""
+LOGPROBS_MODES = ("raw", "processed")
+_XTC_STREAM = 0x58544321  # folded into a row's step key for its XTC draw
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleResult:
-    """One sampled token per row: tokens [B] int32, logprobs [B] float32 (model's raw
-    log-softmax), top_ids [B, N] int32 and top_logprobs [B, N] float32."""
+    """One sampled token per row: tokens [B] int32, logprobs [B] float32, top_ids [B, N] int32
+    and top_logprobs [B, N] float32 (of the raw or the processed distribution)."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -79,84 +56,6 @@ def seed_to_key(seed: int) -> np.ndarray:
     """The raw `[2] uint32` key data for an integer seed (64 bits are kept)."""
     seed &= (1 << 64) - 1
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
-
-
-def process_logits(logits: jax.Array, sampling: SamplingState) -> jax.Array:
-    """Logits processors: `logits [B, V] float32 -> [B, V] float32`.
-
-    The one place for repetition/frequency/presence penalties, logit biases and token masks
-    (they will read their per-slot arrays from `sampling`). Identity for now.
-    """
-    del sampling
-    return logits
-
-
-def _kept_from_sorted(vals: jax.Array, lse: jax.Array, k_eff: jax.Array, top_p: jax.Array,
-                      mass_known: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """Applies top-k then top-p to descending `vals: [B, C]`.
-
-    lse: [B] log-sum-exp of the full row, so `exp(vals - lse)` are true probabilities.
-    Returns (the number of kept tokens [B] int32, the smallest kept value [B]).
-    """
-    C = vals.shape[-1]
-    probs = jnp.exp(vals - lse[:, None])
-    in_k = jnp.arange(C)[None, :] < k_eff[:, None]
-    pk = jnp.where(in_k, probs, 0.0)
-    mass = jnp.sum(pk, axis=-1)
-    if mass_known is not None:  # top-k off: the renormalising mass is the whole row's, 1
-        mass = jnp.where(mass_known, mass, 1.0)
-    before = jnp.cumsum(pk, axis=-1) - pk
-    keep = in_k & (before < (top_p * mass)[:, None])
-    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1).astype(jnp.int32)
-    thresh = jnp.take_along_axis(vals, (n_keep - 1)[:, None], axis=-1)[:, 0]
-    return n_keep, thresh
-
-
-def _thresholds(x: jax.Array, sampling: SamplingState):
-    """Each row's kept-set floor on tempered logits `x: [B, V]`, and its candidates.
-
-    Returns (floor [B]: the kept set is `x >= floor`; in_candidates [B] bool: the row's kept
-    set lies within its CANDIDATES largest logits; vals, ids [B, C]: those candidates, valid
-    where in_candidates).
-    """
-    B, V = x.shape
-    C = min(CANDIDATES, V)
-    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
-    k_eff = jnp.where((top_k > 0) & (top_k < V), top_k, V)
-    uses_kp = (k_eff < V) | (top_p < 1.0)
-    lse = jax.nn.logsumexp(x, axis=-1)
-
-    def candidate_threshold(_):
-        vals, ids = jax.lax.top_k(x, C)
-        n_keep, thresh = _kept_from_sorted(vals, lse, k_eff, top_p, k_eff <= C)
-        covered = (k_eff <= C) | ((k_eff == V) & (n_keep < C))
-        return thresh, covered, vals, ids.astype(jnp.int32)
-
-    def none_threshold(_):
-        return (jnp.full((B,), -jnp.inf, x.dtype), jnp.ones((B,), bool),
-                jnp.zeros((B, C), x.dtype), jnp.zeros((B, C), jnp.int32))
-
-    thresh_c, covered, vals, ids = jax.lax.cond(jnp.any(uses_kp), candidate_threshold,
-                                                none_threshold, None)
-    need_full = uses_kp & ~covered
-
-    def full_threshold(_):
-        sorted_vals = -jnp.sort(-x, axis=-1)
-        return _kept_from_sorted(sorted_vals, lse, k_eff, top_p, None)[1]
-
-    thresh_f = jax.lax.cond(jnp.any(need_full), full_threshold,
-                            lambda _: jnp.full((B,), -jnp.inf, x.dtype), None)
-    thresh = jnp.where(uses_kp, jnp.where(covered, thresh_c, thresh_f), -jnp.inf)
-    x_max = jnp.max(x, axis=-1)
-    floor = jnp.maximum(thresh, x_max + jnp.log(min_p))  # log(0) = -inf: min-p off
-    return floor, uses_kp & covered, vals, ids
-
-
-def kept_mask(x: jax.Array, sampling: SamplingState) -> jax.Array:
-    """The drawable tokens `[B, V] bool` of tempered logits `x: [B, V]` under each row's
-    top-k, top-p and min-p (temperature is already applied; greedy rows are not special)."""
-    floor = _thresholds(x, sampling)[0]
-    return x >= floor[:, None]
 
 
 def _token_noise(key_data: jax.Array, ids: jax.Array) -> jax.Array:
@@ -173,54 +72,134 @@ def _token_noise(key_data: jax.Array, ids: jax.Array) -> jax.Array:
     return -jnp.log(-jnp.log(u))
 
 
-def _draw(x: jax.Array, sampling: SamplingState, steps: jax.Array) -> jax.Array:
-    """Gumbel-max draw from tempered logits `x: [B, V]` over the kept set; returns [B] int32.
+def step_keys(sampling: SamplingState, steps: jax.Array) -> jax.Array:
+    """Each row's key data for this step, `fold_in(keys[b], steps[b])`: [R, 2] uint32."""
+    return jax.vmap(lambda k, t: jax.random.key_data(
+        jax.random.fold_in(jax.random.wrap_key_data(k), t)))(sampling.keys, steps)
 
-    Noise is indexed by token id. A row whose kept set lies within its candidates (top-k ≤
-    CANDIDATES, or a nucleus inside them: the usual case) draws over those C tokens only;
-    other rows draw over the whole vocabulary, computed only when some row needs it.
-    """
-    B, V = x.shape
-    floor, in_cand, vals, ids = _thresholds(x, sampling)
-    keep = x >= floor[:, None]
-    cand_keep = vals >= floor[:, None]
-    # Ties at the floor outside the candidates would be drawable too: then use the full path.
-    in_cand &= jnp.sum(keep, axis=-1) == jnp.sum(cand_keep, axis=-1)
-    row_keys = jax.vmap(lambda k, s: jax.random.key_data(
-        jax.random.fold_in(jax.random.wrap_key_data(k), s)))(sampling.keys, steps)
+
+def xtc_uniforms(row_keys: jax.Array) -> jax.Array:
+    """Each row's XTC draw this step, from its own stream: [R] float32 in [0, 1)."""
+    return jax.vmap(lambda k: jax.random.uniform(
+        jax.random.fold_in(jax.random.wrap_key_data(k), _XTC_STREAM)))(row_keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drawn:
+    """tokens [R] int32 and, for processed logprobs, the kept set over the vocabulary."""
+
+    tokens: jax.Array
+    keep: jax.Array | None
+
+
+def _full_sort(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    neg, ids = jax.lax.sort_key_val(-x, jnp.broadcast_to(
+        jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape), dimension=-1)
+    return -neg, ids
+
+
+def _scatter(keep_sorted: jax.Array, ids: jax.Array, V: int) -> jax.Array:
+    R = ids.shape[0]
+    return jnp.zeros((R, V), jnp.bool_).at[jnp.arange(R)[:, None], ids].set(keep_sorted)
+
+
+def _draw(x: jax.Array, sampling: SamplingState, row_keys: jax.Array, want_keep: bool) -> _Drawn:
+    """Gumbel-max draw from tempered logits `x: [R, V]` over each row's kept set."""
+    R, V = x.shape
+    C = min(CANDIDATES, V)
+    u = xtc_uniforms(row_keys)
+    uses_candidates = ((sampling.top_k > 0) | (sampling.top_p < 1.0)
+                       | (sampling.typical_p < 1.0) | (sampling.xtc_probability > 0))
+
+    def with_candidates(_):
+        vals, ids = jax.lax.top_k(x, C)
+        ks = truncate(vals, x, sampling, u)
+        return vals, ids.astype(jnp.int32), ks.keep, ks.mode, ks.floor, ks.ceil
+
+    def without(_):  # every row is a min-p band
+        floor = jnp.max(x, axis=-1) + jnp.log(sampling.min_p)
+        return (jnp.zeros((R, C), x.dtype), jnp.zeros((R, C), jnp.int32),
+                jnp.zeros((R, C), jnp.bool_), jnp.full((R,), BAND, jnp.int32), floor,
+                jnp.full((R,), jnp.inf, x.dtype))
+
+    vals, ids, keep_c, mode, floor, ceil = jax.lax.cond(
+        jnp.any(uses_candidates), with_candidates, without, None)
     g_c = jax.vmap(_token_noise)(row_keys, ids)
     tok_c = jnp.take_along_axis(
-        ids, jnp.argmax(jnp.where(cand_keep, vals + g_c, -jnp.inf), axis=-1)[:, None],
-        axis=-1)[:, 0]
+        ids, jnp.argmax(jnp.where(keep_c, vals + g_c, -jnp.inf), axis=-1)[:, None], axis=-1)[:, 0]
+    all_ids = jnp.arange(V, dtype=jnp.int32)
+    in_band = (x >= floor[:, None]) & (x <= ceil[:, None]) & (x > -jnp.inf)
+
+    def band(_):
+        g = jax.vmap(lambda k: _token_noise(k, all_ids))(row_keys)
+        return jnp.argmax(jnp.where(in_band, x + g, -jnp.inf), axis=-1).astype(jnp.int32)
+
+    zeros = lambda _: jnp.zeros((R,), jnp.int32)  # noqa: E731
+    tok_b = jax.lax.cond(jnp.any(mode == BAND), band, zeros, None)
 
     def full(_):
-        all_ids = jnp.arange(V, dtype=jnp.int32)
-        g = jax.vmap(lambda k: _token_noise(k, all_ids))(row_keys)
-        return jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1).astype(jnp.int32)
+        s_f, ids_f = _full_sort(x)
+        keep_f = truncate(s_f, None, sampling, u).keep
+        g = jax.vmap(_token_noise)(row_keys, ids_f)
+        tok = jnp.take_along_axis(
+            ids_f, jnp.argmax(jnp.where(keep_f, s_f + g, -jnp.inf), axis=-1)[:, None],
+            axis=-1)[:, 0]
+        kv = _scatter(keep_f, ids_f, V) if want_keep else jnp.zeros((R, 0), jnp.bool_)
+        return tok, kv
 
-    tok_f = jax.lax.cond(jnp.any(~in_cand), full, lambda _: jnp.zeros((B,), jnp.int32), None)
-    return jnp.where(in_cand, tok_c, tok_f).astype(jnp.int32)
+    no_full = lambda _: (jnp.zeros((R,), jnp.int32),  # noqa: E731
+                         jnp.zeros((R, V if want_keep else 0), jnp.bool_))
+    tok_f, keep_f = jax.lax.cond(jnp.any(mode == NEEDS_FULL), full, no_full, None)
+    tokens = jnp.where(mode == EXACT, tok_c, jnp.where(mode == BAND, tok_b, tok_f))
+    keep = None
+    if want_keep:
+        keep_e = _scatter(keep_c, ids, V)
+        keep = jnp.where((mode == EXACT)[:, None], keep_e,
+                         jnp.where((mode == BAND)[:, None], in_band, keep_f))
+    return _Drawn(tokens.astype(jnp.int32), keep)
 
 
-def sample(logits: jax.Array, sampling: SamplingState, steps: jax.Array,
-           num_top: int) -> SampleResult:
+def kept_mask(x: jax.Array, sampling: SamplingState, steps: jax.Array | None = None) -> jax.Array:
+    """The drawable tokens `[R, V] bool` of tempered logits `x: [R, V]` under each row's
+    top-k, top-p, min-p, typical-p and XTC (XTC drawing with the rows' keys at `steps`)."""
+    steps = jnp.zeros(x.shape[:1], jnp.int32) if steps is None else steps
+    return _draw(x, sampling, step_keys(sampling, steps), want_keep=True).keep
+
+
+def sample(logits: jax.Array, sampling: SamplingState, history: TokenHistory,
+           length: jax.Array, steps: jax.Array, num_top: int,
+           logprobs_mode: str = "raw") -> SampleResult:
     """Samples one token per row.
 
-    logits: [B, V] float32 (the model's); steps: [B] int32, the step index folded into each
-    row's key. Returns the tokens, their log-probability under the model's raw distribution,
-    and the top `num_top` tokens of that distribution.
+    logits: [R, V] float32 (the model's); history: the rows' `TokenHistory` with `length: [R]`
+    valid positions (prompt + generated); steps: [R] int32, tokens generated so far (the step
+    index folded into each row's key). Returns the tokens, their log-probability and the top
+    `num_top` tokens, of the raw or processed distribution (`logprobs_mode`).
     """
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top)
-    proc = process_logits(logits, sampling)
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
+    processed_mode = logprobs_mode == "processed"
+    R, V = logits.shape
+    proc = process_logits(logits, sampling, history, length, steps)
     greedy = jnp.argmax(proc, axis=-1).astype(jnp.int32)
     t = sampling.temperature
     hot = t > 0
+    row_keys = step_keys(sampling, steps)
+    x = proc / jnp.where(hot, t, 1.0)[:, None]
 
     def draw(_):
-        x = proc / jnp.where(hot, t, 1.0)[:, None]
-        return jnp.where(hot, _draw(x, sampling, steps), greedy)
+        d = _draw(x, sampling, row_keys, processed_mode)
+        keep = d.keep if processed_mode else jnp.zeros((R, 0), jnp.bool_)
+        return jnp.where(hot, d.tokens, greedy), keep
 
-    tokens = jax.lax.cond(jnp.any(hot), draw, lambda _: greedy, None)
-    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    def all_greedy(_):
+        return greedy, jnp.ones((R, V if processed_mode else 0), jnp.bool_)
+
+    tokens, keep = jax.lax.cond(jnp.any(hot), draw, all_greedy, None)
+    if processed_mode:  # greedy rows: the processed logits, untruncated
+        dist = jax.nn.log_softmax(jnp.where(hot[:, None] & ~keep, -jnp.inf, x), axis=-1)
+    else:
+        dist = jax.nn.log_softmax(logits, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(dist, num_top)
+    logprobs = jnp.take_along_axis(dist, tokens[:, None], axis=-1)[:, 0]
     return SampleResult(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)

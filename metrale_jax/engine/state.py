@@ -13,7 +13,15 @@ import math
 import jax
 import numpy as np
 
-from metrale_jax.engine.sampling import SamplingState, seed_to_key
+from metrale_jax.engine.bitmask import pack
+from metrale_jax.engine.sampling import seed_to_key
+from metrale_jax.engine.sampling_state import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    SamplingState,
+    TokenHistory,
+)
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.models.unrolled import LayerCache
 
@@ -29,8 +37,11 @@ class DecodeState:
     cache: LayerCache, per layer keys `[B, K, D, S]` (transposed) and values `[B, K, S, D]`.
     positions: [B] int32, where the next token goes (= the slot's current length).
     tokens: [B] int32, the last sampled token: the input of the next step.
-    steps: [B] int32, the sampling step index of the next token (the first token is step 0).
-    sampling: per-slot `SamplingState` ([B] arrays and keys [B, 2]).
+    steps: [B] int32, the sampling step index of the next token (the first token is step 0) =
+    the tokens generated so far.
+    sampling: per-slot `SamplingState` ([B] rows).
+    history: per-slot `TokenHistory` (tokens [B, S], counts and prompt_seen [B, V]) for the
+    penalties; a slot's tokens up to its position are valid.
     """
 
     cache: LayerCache
@@ -38,6 +49,7 @@ class DecodeState:
     tokens: jax.Array
     steps: jax.Array
     sampling: SamplingState
+    history: TokenHistory
 
 
 @jax.tree_util.register_dataclass
@@ -70,8 +82,17 @@ class StepOutput:
 class SlotSettings:
     """One request's sampling settings, as the host hands them to `Engine.add`.
 
+    The user-facing checks live in `SamplingParams`; these are the engine's: token ids are
+    already resolved (eos, stop ids, bad words, DRY breakers) and sizes are within the static
+    limits of `sampling_state`.
     temperature: 0 = greedy; top_k: 0 = off; top_p in (0, 1]; min_p in [0, 1];
     seed: any integer (64 bits kept); the same seed gives the same tokens.
+    typical_p (1 = off), xtc_threshold / xtc_probability (0 = off), top_n_sigma (<= 0 = off);
+    repetition_penalty (1 = off), presence/frequency_penalty (0 = off), dry_* (multiplier 0 =
+    off), lz_penalty (0 = off); logit_bias: (token id, bias) pairs; banned_ids: never
+    sampled; min_tokens with stop_ids: those ids are masked until min_tokens are generated;
+    bad_words: token sequences of 2+ tokens whose last token is banned after the rest;
+    dry_breaker_ids: tokens that cut DRY's matches.
     """
 
     temperature: float = 0.0
@@ -79,6 +100,24 @@ class SlotSettings:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    typical_p: float = 1.0
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0
+    top_n_sigma: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_breaker_ids: tuple[int, ...] = ()
+    lz_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -94,15 +133,32 @@ class SlotSettings:
             raise bad("min_p", "must be in [0, 1]")
         if int(self.seed) != self.seed:
             raise bad("seed", "must be an integer")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise bad("bad_words", f"may hold at most {MAX_BAD_WORDS} multi-token sequences")
+        if any(not 2 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
+            raise bad("bad_words", f"sequences must have 2 to {MAX_BAD_WORD_TOKENS} tokens")
 
 
-def settings_to_arrays(settings: list[SlotSettings], batch: int) -> SamplingState:
-    """NumPy `SamplingState` of `batch` rows: `settings` first, greedy padding after."""
-    s = SamplingState.host_defaults(batch)
+def settings_to_arrays(settings: list[SlotSettings], rows: int, vocab_size: int) -> SamplingState:
+    """NumPy `SamplingState` of `rows` rows: `settings` first, greedy padding after."""
+    s = SamplingState.host_defaults(rows, vocab_size)
+    scalars = ("temperature", "top_p", "min_p", "typical_p", "xtc_threshold", "xtc_probability",
+               "top_n_sigma", "repetition_penalty", "presence_penalty", "frequency_penalty",
+               "dry_multiplier", "dry_base", "dry_allowed_length", "lz_penalty", "min_tokens")
     for i, x in enumerate(settings):
-        s.temperature[i] = x.temperature
+        for name in scalars:
+            getattr(s, name)[i] = getattr(x, name)
         s.top_k[i] = min(int(x.top_k), np.iinfo(np.int32).max)
-        s.top_p[i] = x.top_p
-        s.min_p[i] = x.min_p
+        s.dry_last_n[i] = max(-1, min(int(x.dry_penalty_last_n), np.iinfo(np.int32).max))
         s.keys[i] = seed_to_key(int(x.seed))
+        for j, (tok, value) in enumerate(x.logit_bias):
+            s.bias_ids[i, j], s.bias_values[i, j] = tok, value
+        s.banned[i] = pack(x.banned_ids, vocab_size)
+        s.stop_ids[i] = pack(x.stop_ids, vocab_size)
+        s.dry_breakers[i] = pack(x.dry_breaker_ids, vocab_size)
+        for j, word in enumerate(x.bad_words):
+            s.bad_words[i, j, MAX_BAD_WORD_TOKENS - len(word):] = word
+            s.bad_word_lens[i, j] = len(word)
     return s

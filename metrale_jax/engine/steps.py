@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine.sampling import SampleResult, SamplingState, sample
+from metrale_jax.engine.sampling import SampleResult, sample
+from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
 from metrale_jax.models.kv_cache import KVCache
 from metrale_jax.models.unrolled import (
@@ -35,13 +36,15 @@ class Prefix:
 
     cache: KVCache k/v `[L, Bp, K, P, D]` of the prompt tokens (positions 0 .. P-1);
     lengths: [Bp] int32, the true prompt lengths; first: StepOutput `[1, Bp]`, the token
-    sampled (step 0) from each prompt's last logits; sampling: the rows' `SamplingState`.
+    sampled (step 0) from each prompt's last logits; sampling: the rows' `SamplingState`;
+    history: the prompts' `TokenHistory` (tokens [Bp, P]).
     """
 
     cache: KVCache
     lengths: jax.Array
     first: StepOutput
     sampling: SamplingState
+    history: TokenHistory
 
 
 def _as_output(res: SampleResult) -> StepOutput:
@@ -50,20 +53,27 @@ def _as_output(res: SampleResult) -> StepOutput:
                       res.top_logprobs[None])
 
 
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """The static sampling settings of an engine: `num_top` (N) top logprobs per token and
+    the logprobs mode ("raw" or "processed", see engine/sampling.py)."""
+
+    num_top: int
+    logprobs_mode: str = "raw"
+
+
 def init_state(cfg: ModelConfig, slots: int, length: int, cache_dtype: jnp.dtype) -> DecodeState:
     """An empty decode state: greedy slots at position 0 and a zero `LayerCache`."""
     zeros = jnp.zeros((slots,), jnp.int32)
     return DecodeState(
         cache=LayerCache.zeros(cfg, slots, length, cache_dtype), positions=zeros, tokens=zeros,
-        steps=zeros,
-        sampling=SamplingState(
-            temperature=jnp.zeros((slots,), jnp.float32), top_k=zeros,
-            top_p=jnp.ones((slots,), jnp.float32), min_p=jnp.zeros((slots,), jnp.float32),
-            keys=jnp.zeros((slots, 2), jnp.uint32)))
+        steps=zeros, sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
+        history=TokenHistory.zeros(slots, length, cfg.vocab_size))
 
 
-def prefill_step(graph: LayerGraph, num_top: int, cache_dtype: jnp.dtype, params: LayerParams,
-                 tokens: jax.Array, lengths: jax.Array, sampling: SamplingState) -> Prefix:
+def prefill_step(graph: LayerGraph, sc: SampleConfig, cache_dtype: jnp.dtype,
+                 params: LayerParams, tokens: jax.Array, lengths: jax.Array,
+                 sampling: SamplingState) -> Prefix:
     """Runs `Bp` prompts and samples each one's first token.
 
     tokens: [Bp, P] int32, prompt b in `tokens[b, :lengths[b]]` (padding after it is never
@@ -72,9 +82,11 @@ def prefill_step(graph: LayerGraph, num_top: int, cache_dtype: jnp.dtype, params
     Bp, P = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (Bp, P))
     logits, kv = forward_layers(graph, params, tokens, positions, None, lengths - 1)
-    res = sample(logits, sampling, jnp.zeros((Bp,), jnp.int32), num_top)
+    history = TokenHistory.of_prompts(tokens, lengths, logits.shape[-1])
+    res = sample(logits, sampling, history, lengths, jnp.zeros((Bp,), jnp.int32), sc.num_top,
+                 sc.logprobs_mode)
     kv = KVCache(kv.k.astype(cache_dtype), kv.v.astype(cache_dtype))
-    return Prefix(kv, lengths, _as_output(res), sampling)
+    return Prefix(kv, lengths, _as_output(res), sampling, history)
 
 
 def insert_step(prefix: Prefix, state: DecodeState, slots: jax.Array, cols: jax.Array,
@@ -90,17 +102,21 @@ def insert_step(prefix: Prefix, state: DecodeState, slots: jax.Array, cols: jax.
     v = tuple(c.at[slots, :, :P].set(new.astype(c.dtype), mode="drop")
               for c, new in zip(state.cache.v, prefix.cache.v, strict=True))
     cache = LayerCache(kt, v)
+    h, ph = state.history, prefix.history
+    history = TokenHistory(h.tokens.at[slots, :P].set(ph.tokens, mode="drop"),
+                           h.counts.at[slots].set(0, mode="drop"),
+                           h.prompt_seen.at[slots].set(ph.prompt_seen, mode="drop"))
     state = DecodeState(
         cache=cache,
         positions=state.positions.at[slots].set(prefix.lengths, mode="drop"),
         tokens=state.tokens.at[slots].set(prefix.first.tokens[0], mode="drop"),
         steps=state.steps.at[slots].set(1, mode="drop"),
-        sampling=state.sampling.set_rows(slots, prefix.sampling))
+        sampling=state.sampling.set_rows(slots, prefix.sampling), history=history)
     first = jax.tree.map(lambda a, b: a.at[:, cols].set(b, mode="drop"), first, prefix.first)
     return state, first
 
 
-def prefill_insert_step(graph: LayerGraph, num_top: int, cache_dtype: jnp.dtype,
+def prefill_insert_step(graph: LayerGraph, sc: SampleConfig, cache_dtype: jnp.dtype,
                         params: LayerParams, state: DecodeState, first: StepOutput,
                         tokens: jax.Array, lengths: jax.Array, sampling: SamplingState,
                         slots: jax.Array, cols: jax.Array) -> tuple[DecodeState, StepOutput]:
@@ -109,11 +125,11 @@ def prefill_insert_step(graph: LayerGraph, num_top: int, cache_dtype: jnp.dtype,
     The batching loop's path: one compiled program per (bucket, prefill batch) instead of
     two, which halves warmup, and the prefix never leaves the program.
     """
-    prefix = prefill_step(graph, num_top, cache_dtype, params, tokens, lengths, sampling)
+    prefix = prefill_step(graph, sc, cache_dtype, params, tokens, lengths, sampling)
     return insert_step(prefix, state, slots, cols, first)
 
 
-def chunk_step(graph: LayerGraph, num_top: int, params: LayerParams, state: DecodeState,
+def chunk_step(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state: DecodeState,
                first: StepOutput, slot: jax.Array, col: jax.Array, tokens: jax.Array,
                start: jax.Array, length: jax.Array,
                sampling: SamplingState) -> tuple[DecodeState, StepOutput]:
@@ -132,8 +148,17 @@ def chunk_step(graph: LayerGraph, num_top: int, params: LayerParams, state: Deco
                   jnp.stack([take(c) for c in state.cache.v]))
     positions = (start + jnp.arange(P, dtype=jnp.int32))[None]
     logits, sub = forward_layers(graph, params, tokens, positions, sub, (length - 1)[None])
-    res = sample(logits, sampling, jnp.zeros((1,), jnp.int32), num_top)
     rows = slot[None]
+    V = logits.shape[-1]
+    h = state.history
+    real = jnp.arange(P) < length
+    seen = jnp.zeros((V,), jnp.bool_).at[jnp.where(real, tokens[0], V)].set(True, mode="drop")
+    seen |= jnp.where(start > 0, h.prompt_seen[slot], False)
+    history = TokenHistory(h.tokens.at[slot, start + jnp.arange(P)].set(tokens[0], mode="drop"),
+                           h.counts.at[rows].set(0), h.prompt_seen.at[rows].set(seen[None]))
+    row = TokenHistory(history.tokens[rows], history.counts[rows], seen[None])
+    res = sample(logits, sampling, row, (start + length)[None], jnp.zeros((1,), jnp.int32),
+                 sc.num_top, sc.logprobs_mode)
     put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=slot, axis=0)
     kt = tuple(put(c, sub.k[i].swapaxes(-1, -2).astype(c.dtype))
                for i, c in enumerate(state.cache.kt))
@@ -143,13 +168,13 @@ def chunk_step(graph: LayerGraph, num_top: int, params: LayerParams, state: Deco
         positions=state.positions.at[rows].set(start + length),
         tokens=state.tokens.at[rows].set(res.tokens),
         steps=state.steps.at[rows].set(1),
-        sampling=state.sampling.set_rows(rows, sampling))
+        sampling=state.sampling.set_rows(rows, sampling), history=history)
     out = _as_output(res)
     first = jax.tree.map(lambda a, b: a.at[:, col[None]].set(b), first, out)
     return state, first
 
 
-def generate_step(graph: LayerGraph, num_top: int, decode_steps: int, rows: int,
+def generate_step(graph: LayerGraph, sc: SampleConfig, decode_steps: int, rows: int,
                   params: LayerParams, state: DecodeState,
                   active: jax.Array) -> tuple[DecodeState, StepOutput]:
     """`decode_steps` decode steps for the first `rows` slots; state donated.
@@ -158,9 +183,9 @@ def generate_step(graph: LayerGraph, num_top: int, decode_steps: int, rows: int,
     bucket, so one request in a 16-slot engine costs one row, not sixteen); active: [B] bool
     marks the slots holding a request, and attention reads the cache only as far as the
     largest active position. Each step feeds `tokens` at `positions`, writes their keys and
-    values into the cache, samples the next token with key `fold_in(keys[b], steps[b])`, and
-    advances positions (capped at S) and steps. Returns the new state and StepOutput `[k, B]`
-    (rows past `rows` are zeros).
+    values into the cache and the tokens into the history, samples the next token with key
+    `fold_in(keys[b], steps[b])`, and advances positions (capped at S) and steps. Returns the
+    new state and StepOutput `[k, B]` (rows past `rows` are zeros).
     """
     S = state.cache.length
     B = state.tokens.shape[0]
@@ -169,22 +194,28 @@ def generate_step(graph: LayerGraph, num_top: int, decode_steps: int, rows: int,
     live = active[:rows]
 
     def one(carry):
-        cache, positions, tokens, steps_ = carry
+        cache, positions, tokens, steps_, history = carry
+        history = history.append(tokens, positions)
         logits, cache = decode_layers(graph, params, tokens, positions, cache, live)
-        res = sample(logits, sampling, steps_, num_top)
-        return (cache, jnp.minimum(positions + 1, S), res.tokens, steps_ + 1), res
+        res = sample(logits, sampling, history, positions + 1, steps_, sc.num_top,
+                     sc.logprobs_mode)
+        return (cache, jnp.minimum(positions + 1, S), res.tokens, steps_ + 1, history), res
 
-    carry = (state.cache, state.positions[:rows], state.tokens[:rows], state.steps[:rows])
+    carry = (state.cache, state.positions[:rows], state.tokens[:rows], state.steps[:rows],
+             head(state.history))
     if decode_steps == 1:
         carry, res = one(carry)
         out = _as_output(res)
     else:
         carry, res = jax.lax.scan(lambda c, _: one(c), carry, None, length=decode_steps)
         out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
-    cache, positions, tokens, steps_ = carry
+    cache, positions, tokens, steps_, history = carry
+    h = state.history
     new = DecodeState(cache, state.positions.at[:rows].set(positions),
                       state.tokens.at[:rows].set(tokens), state.steps.at[:rows].set(steps_),
-                      state.sampling)
+                      state.sampling,
+                      TokenHistory(h.tokens.at[:rows].set(history.tokens),
+                                   h.counts.at[:rows].set(history.counts), h.prompt_seen))
     if rows < B:  # pad the output to [k, B]
         out = jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, B - rows)] + [(0, 0)] * (a.ndim - 2)),
                            out)

@@ -40,6 +40,18 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps, self.offset)
 
 
+LogicalAxes = tuple[str | None, ...]
+"""One logical axis name per dimension of an array (None: never sharded)."""
+
+AxesTable = dict[str, "LogicalAxes | AxesTable"]
+"""Logical axes of a module's params, keyed like its `nnx.to_pure_dict` (nested per submodule)."""
+
+# Logical axes of each module's params, beside the shapes above: engine/sharding.py maps them
+# to mesh axes. A new parameter needs its entry here (sharding fails loudly on a missing one).
+NORM_AXES: AxesTable = {"weight": ("embed",)}
+HEAD_NORM_AXES: AxesTable = {"weight": ("head_dim",)}  # q_norm / k_norm (Qwen3) norm over D
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool) -> jax.Array:
     """`x / rms(x) * w` (or `* (1 + w)` when `offset`) over the last axis; x: [..., N],
     weight: [N]; statistics in float32, result in x's dtype."""
@@ -121,6 +133,9 @@ class MLP(nnx.Module):
         gate = x @ self.gate[...]
         gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
         return (gate * (x @ self.up[...])) @ self.down[...]
+
+
+MLP_AXES: AxesTable = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 
 
 class Attention(nnx.Module):
@@ -261,3 +276,16 @@ class Attention(nnx.Module):
         out = out.astype(x.dtype).reshape(n, 1, cfg.num_heads * D)
         y = out @ self.o_proj[...].reshape(cfg.num_heads * D, -1)
         return y, cache_kt, cache_v
+
+
+ATTENTION_AXES: AxesTable = {
+    "q_proj": ("embed", "heads", "head_dim"),      # [E, H, D]
+    "k_proj": ("embed", "kv_heads", "head_dim"),   # [E, K, D]
+    "v_proj": ("embed", "kv_heads", "head_dim"),   # [E, K, D]
+    "o_proj": ("heads", "head_dim", "embed"),      # [H, D, E]
+    "q_bias": ("heads", "head_dim"),               # [H, D]
+    "k_bias": ("kv_heads", "head_dim"),            # [K, D]
+    "v_bias": ("kv_heads", "head_dim"),            # [K, D]
+    "q_norm": HEAD_NORM_AXES,
+    "k_norm": HEAD_NORM_AXES,
+}

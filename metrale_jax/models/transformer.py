@@ -16,7 +16,17 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.models.kv_cache import KVCache
-from metrale_jax.models.layers import MLP, Attention, RMSNorm, embed_tokens, lm_logits
+from metrale_jax.models.layers import (
+    ATTENTION_AXES,
+    MLP,
+    MLP_AXES,
+    NORM_AXES,
+    Attention,
+    AxesTable,
+    RMSNorm,
+    embed_tokens,
+    lm_logits,
+)
 
 
 class Block(nnx.Module):
@@ -57,6 +67,19 @@ class Block(nnx.Module):
         h, cache_kt, cache_v = self.attn.decode(self.attn_norm(x), positions, cache_kt, cache_v,
                                                 is_sliding, length_index, lengths)
         return self._rest(x, h), cache_kt, cache_v
+
+
+# Logical axes of one Block's params (engine/sharding.py maps them to the mesh).
+BLOCK_AXES: AxesTable = {
+    "attn_norm": NORM_AXES, "attn": ATTENTION_AXES, "mlp_norm": NORM_AXES, "mlp": MLP_AXES,
+    "post_attn_norm": NORM_AXES, "post_mlp_norm": NORM_AXES,
+}
+
+
+def stacked_axes(table: AxesTable, axis: str = "layers") -> AxesTable:
+    """`table` with `axis` prepended to every entry: the axes of params stacked `[L, ...]`."""
+    return {k: stacked_axes(v, axis) if isinstance(v, dict) else (axis, *v)
+            for k, v in table.items()}
 
 
 class Transformer(nnx.Module):
@@ -113,6 +136,15 @@ class Transformer(nnx.Module):
         if cache is None:
             return logits, KVCache(new_k, new_v)
         return logits, cache.write(new_k, new_v, positions)
+
+
+# Logical axes of the whole model's params (`blocks` stacked over L), keyed like the params.
+TRANSFORMER_AXES: AxesTable = {
+    "embed": ("vocab", "embed"),        # [V, E]
+    "blocks": stacked_axes(BLOCK_AXES),
+    "final_norm": NORM_AXES,
+    "lm_head": ("embed", "vocab"),      # [E, V]
+}
 
 
 def split_model(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:

@@ -21,12 +21,19 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.models.kv_cache import KVCache
-from metrale_jax.models.layers import embed_tokens, lm_logits, rms_norm
-from metrale_jax.models.transformer import Transformer
+from metrale_jax.models.layers import AxesTable, embed_tokens, lm_logits, rms_norm
+from metrale_jax.models.transformer import BLOCK_AXES, TRANSFORMER_AXES, Transformer
 
 # Logical axes of LayerCache buffers (engine/sharding.py maps them to the mesh).
 LAYER_KEY_AXES: tuple[str, ...] = ("slots", "kv_heads", "head_dim", "seq")
 LAYER_VALUE_AXES: tuple[str, ...] = ("slots", "kv_heads", "seq", "head_dim")
+
+
+# Logical axes of `LayerParams`, keyed by its fields (engine/sharding.py maps them to the mesh).
+LAYER_PARAMS_AXES: AxesTable = {
+    "outer": {k: v for k, v in TRANSFORMER_AXES.items() if k != "blocks"},
+    "layers": BLOCK_AXES,
+}
 
 
 @jax.tree_util.register_dataclass

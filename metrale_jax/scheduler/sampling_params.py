@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
+from metrale_jax.engine.sampling_state import MAX_LOGIT_BIAS
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.scheduler.repetition import RepetitionDetection
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORD_STRINGS = 16
+MAX_DRY_BREAKERS = 16
+DEFAULT_DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings of one request, validated on construction.
+
+    The sampler applies them in one fixed order on the device, per slot:
+    penalties (repetition -> presence/frequency -> DRY -> LZ) -> logit_bias -> bans
+    (bad_words) and the min_tokens mask -> top-nσ -> temperature -> top_k -> top_p -> min_p ->
+    typical_p -> XTC -> the draw. Each truncation step renormalises over the tokens still kept.
 
     Attributes:
         max_tokens: tokens to generate at most; None = until the end of the context.
@@ -29,6 +40,23 @@ class SamplingParams:
             None = no logprobs.
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string in the text.
+        repetition_penalty: > 0; tokens of the prompt or output have a positive logit divided
+            by it and a negative one multiplied (1 = off).
+        presence_penalty, frequency_penalty: in [-2, 2], subtracted once per generated token
+            seen / per occurrence (0 = off).
+        logit_bias: token id -> bias in [-100, 100], added to the logits.
+        dry_multiplier (>= 0, 0 = off), dry_base (>= 1), dry_allowed_length (>= 0),
+            dry_penalty_last_n (-1 = whole context, 0 = off), dry_sequence_breakers: DRY,
+            with llama.cpp's semantics.
+        lz_penalty: >= 0, the LZ penalty's strength (0 = off).
+        top_n_sigma: keep logits within n standard deviations of the largest (<= 0 = off).
+        typical_p: in (0, 1], locally typical sampling (1 = off).
+        xtc_threshold in [0, 1], xtc_probability in [0, 1] (0 = off): XTC.
+        min_tokens: eos and stop_token_ids are masked until this many tokens are generated.
+        bad_words: strings whose token sequences are never generated.
+        repetition_detection: None (off), or a `RepetitionDetection`; True or a dict with
+            max_period / min_repeats are accepted. Ends the request with finish_reason "stop"
+            and stop_reason "repetition".
     """
 
     max_tokens: int | None = 16
@@ -43,6 +71,23 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
+    lz_penalty: float = 0.0
+    top_n_sigma: float = 0.0
+    typical_p: float = 1.0
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
+    repetition_detection: RepetitionDetection | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidParameterError:
@@ -84,6 +129,72 @@ class SamplingParams:
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)
+        self._check_controls(bad, number, integer)
+
+    def _check_controls(self, bad, number, integer) -> None:
+        if number("repetition_penalty") <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(name) <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        bias = self.logit_bias
+        pairs = tuple(bias.items()) if isinstance(bias, Mapping) else tuple(bias)
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
+        clean = []
+        for pair in pairs:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise bad("logit_bias", "must map token ids to numbers")
+            tok, value = pair
+            if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
+                tok = int(tok)
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise InvalidParameterError(
+                    f"logit_bias keys must be token ids >= 0, got {tok!r}", param="logit_bias")
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not -100 <= value <= 100):
+                raise InvalidParameterError(
+                    f"logit_bias[{tok}] must be a number in [-100, 100], got {value!r}",
+                    param="logit_bias")
+            clean.append((tok, float(value)))
+        if len({t for t, _ in clean}) != len(clean):
+            raise bad("logit_bias", "has a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(clean))
+        if number("dry_multiplier") < 0:
+            raise bad("dry_multiplier", "must be >= 0 (0 = off)")
+        if number("dry_base") < 1:
+            raise bad("dry_base", "must be >= 1")
+        if integer("dry_allowed_length") < 0:
+            raise bad("dry_allowed_length", "must be >= 0")
+        if integer("dry_penalty_last_n") < -1:
+            raise bad("dry_penalty_last_n", "must be >= -1 (-1 = whole context, 0 = off)")
+        breakers = self.dry_sequence_breakers
+        breakers = (breakers,) if isinstance(breakers, str) else tuple(breakers)
+        if any(not isinstance(b, str) or not b for b in breakers):
+            raise bad("dry_sequence_breakers", "must be non-empty strings")
+        if len(breakers) > MAX_DRY_BREAKERS:
+            raise bad("dry_sequence_breakers", f"may hold at most {MAX_DRY_BREAKERS} strings")
+        object.__setattr__(self, "dry_sequence_breakers", breakers)
+        if number("lz_penalty") < 0:
+            raise bad("lz_penalty", "must be >= 0 (0 = off)")
+        number("top_n_sigma")
+        if not 0 < number("typical_p") <= 1:
+            raise bad("typical_p", "must be in (0, 1]")
+        for name in ("xtc_threshold", "xtc_probability"):
+            if not 0 <= number(name) <= 1:
+                raise bad(name, "must be in [0, 1]")
+        if integer("min_tokens") < 0:
+            raise bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        if any(not isinstance(w, str) or not w.strip() for w in words):
+            raise bad("bad_words", "must be non-empty strings")
+        if len(words) > MAX_BAD_WORD_STRINGS:
+            raise bad("bad_words", f"may hold at most {MAX_BAD_WORD_STRINGS} strings")
+        object.__setattr__(self, "bad_words", words)
+        object.__setattr__(self, "repetition_detection",
+                           RepetitionDetection.parse(self.repetition_detection))
 
     @property
     def greedy(self) -> bool:

@@ -21,14 +21,17 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from metrale_jax.engine.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from metrale_jax.errors import BusyError, ContextLengthError, InvalidParameterError
 from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.sequence import Sequence
+from metrale_jax.scheduler.token_sets import bad_word_ids
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +57,14 @@ class Scheduler:
         tokenizer: the model's tokenizer (detokenizing, special ids).
         eos_token_ids: ids that end a request unless `ignore_eos`.
         max_waiting: bound of the waiting queue; `submit` beyond it raises `BusyError`.
+        warmup: compile every program before serving.
+        warmup_progress: `progress(done, total)` after each program compiled by warmup
+            (passed to `engine.warmup(progress=...)`; None passes nothing).
     """
 
     def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
-                 max_waiting: int = 256, warmup: bool = True):
+                 max_waiting: int = 256, warmup: bool = True,
+                 warmup_progress: Callable[[int, int], None] | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -72,6 +79,10 @@ class Scheduler:
         self._running = True
         self._ready = threading.Event()
         self._warmup = warmup
+        self._warmup_progress = warmup_progress
+        # slot -> (request id, time.monotonic() at admission); written by the loop thread only,
+        # read by `snapshot` (a dict item assignment is atomic).
+        self._admitted_at: dict[int, tuple[str, float]] = {}
         self.stats = collections.Counter()
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
         self._thread.start()
@@ -98,6 +109,16 @@ class Scheduler:
         if any(t >= vocab for t in request.params.stop_token_ids):
             raise InvalidParameterError(f"stop_token_ids must be < {vocab}",
                                         param="stop_token_ids")
+        if any(t >= vocab for t, _ in request.params.logit_bias):
+            raise InvalidParameterError(
+                f"logit_bias has a token id outside the vocabulary [0, {vocab})",
+                param="logit_bias")
+        if request.params.bad_words:  # resolves now, so a bad word is a 400 here
+            _, words = bad_word_ids(self.tokenizer, request.params.bad_words)
+            if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_TOKENS for w in words):
+                raise InvalidParameterError(
+                    f"bad_words: at most {MAX_BAD_WORDS} multi-token sequences of at most "
+                    f"{MAX_BAD_WORD_TOKENS} tokens each", param="bad_words")
         wanted = request.params.max_tokens or 1
         if n + wanted > self.max_len:
             raise ContextLengthError(
@@ -137,17 +158,35 @@ class Scheduler:
         self._thread.join(timeout)
 
     def snapshot(self) -> dict[str, Any]:
-        """Slot occupancy and queue length, for metrics and dashboards."""
+        """Slot occupancy and queue length, for metrics and dashboards (any thread).
+
+        slots[i]: None, or {"request_id", "prompt_tokens", "tokens" (generated so far),
+        "running_s" (since admission)}. stats: the loop's counters ("admitted", "finished",
+        "steps", "tokens", "loop_errors"). Read without stopping the loop: the slot list is
+        copied at once, and each slot's sequence is read through one reference.
+        """
         with self._lock:
             waiting = len(self._waiting)
-        slots = [None if s is None else {"request_id": s.request.request_id,
-                                         "tokens": s.num_generated} for s in self._slots]
+        now = time.monotonic()
+        admitted = dict(self._admitted_at)
+        slots: list[dict[str, Any] | None] = []
+        for i, seq in enumerate(list(self._slots)):
+            if seq is None:
+                slots.append(None)
+                continue
+            rid = seq.request.request_id
+            since = admitted.get(i)
+            slots.append({"request_id": rid, "prompt_tokens": seq.prompt_len,
+                          "tokens": seq.num_generated,
+                          "running_s": now - since[1] if since and since[0] == rid else None})
         return {"slots": slots, "waiting": waiting, "stats": dict(self.stats)}
 
     # ---- loop thread -------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            if self._warmup:
+            if self._warmup and self._warmup_progress is not None:
+                self.engine.warmup(progress=self._warmup_progress)
+            elif self._warmup:
                 self.engine.warmup()
             self.state = self.engine.init_decode_state()
         except Exception as e:  # nothing can be served: fail whatever is queued
@@ -232,8 +271,10 @@ class Scheduler:
             for _, seq in admitted:
                 seq.handle.post(Failed(e))
             raise
+        now = time.monotonic()
         for slot, seq in admitted:
             self._slots[slot] = seq
+            self._admitted_at[slot] = (seq.request.request_id, now)
         self.stats["admitted"] += len(admitted)
         _start_copy(first)
         return _Pending(first, {slot: seq for slot, seq in admitted}, first=True)
@@ -259,6 +300,7 @@ class Scheduler:
             for k in range(tokens.shape[0]):
                 seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
                               top_ids[k, col], top_lps[k, col])
+                self.stats["tokens"] += 1
                 if seq.finished:
                     break
             if seq.finished:

@@ -5,16 +5,19 @@ from __future__ import annotations
 import numpy as np
 
 from metrale_jax.scheduler.events import Finished, Token, TokenLogprob
+from metrale_jax.scheduler.repetition import RepetitionDetector
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.stop_checker import StopChecker
+from metrale_jax.scheduler.token_sets import bad_word_ids, breaker_ids
 
 
 class Sequence:
     """Turns a slot's sampled ids into `Token` events and decides when the request stops.
 
     Stops, in order of checking after each token: eos ids (unless `ignore_eos`),
-    `stop_token_ids`, stop strings (text held back while it may begin one), `max_tokens`,
-    and the end of the context (`max_len`), which ends with finish_reason "length".
+    `stop_token_ids`, stop strings (text held back while it may begin one), a repeating tail
+    (`repetition_detection`: stop_reason "repetition"), `max_tokens`, and the end of the
+    context (`max_len`), which ends with finish_reason "length".
     """
 
     def __init__(self, request: GenerationRequest, handle: RequestHandle, tokenizer,
@@ -30,16 +33,34 @@ class Sequence:
         self.stop_ids = frozenset(p.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens)
         self.stops = StopChecker(p.stop, p.include_stop_str_in_output)
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_token_ids)
+        self.repetition = (RepetitionDetector(p.repetition_detection)
+                           if p.repetition_detection is not None else None)
         self.num_generated = 0
         self.token_ids: list[int] = []
         self.finished = False
 
     def slot_settings(self, seed: int):
-        """The engine's per-slot settings for this request."""
+        """The engine's per-slot settings for this request (strings resolved to token ids)."""
         from metrale_jax.engine import SlotSettings
         p = self.request.params
-        return SlotSettings(temperature=float(p.temperature), top_k=int(p.top_k),
-                            top_p=float(p.top_p), min_p=float(p.min_p), seed=int(seed))
+        banned, words = bad_word_ids(self.tokenizer, p.bad_words) if p.bad_words else ((), ())
+        breakers = (breaker_ids(self.tokenizer, p.dry_sequence_breakers)
+                    if p.dry_multiplier > 0 else ())
+        stop_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_ids)
+        return SlotSettings(
+            temperature=float(p.temperature), top_k=int(p.top_k), top_p=float(p.top_p),
+            min_p=float(p.min_p), seed=int(seed), typical_p=float(p.typical_p),
+            xtc_threshold=float(p.xtc_threshold), xtc_probability=float(p.xtc_probability),
+            top_n_sigma=float(p.top_n_sigma), repetition_penalty=float(p.repetition_penalty),
+            presence_penalty=float(p.presence_penalty),
+            frequency_penalty=float(p.frequency_penalty),
+            dry_multiplier=float(p.dry_multiplier), dry_base=float(p.dry_base),
+            dry_allowed_length=int(p.dry_allowed_length),
+            dry_penalty_last_n=int(p.dry_penalty_last_n), dry_breaker_ids=breakers,
+            lz_penalty=float(p.lz_penalty), min_tokens=int(p.min_tokens), stop_ids=stop_ids,
+            logit_bias=tuple(p.logit_bias), banned_ids=banned, bad_words=words)
 
     def add_token(self, token_id: int, logprob: float, top_ids: np.ndarray,
                   top_logprobs: np.ndarray) -> None:
@@ -65,6 +86,8 @@ class Sequence:
             self._finish("stop", matched, flush=False)
         elif token_id in self.stop_ids:
             self._finish("stop", token_id)
+        elif self.repetition is not None and self.repetition.push(token_id):
+            self._finish("stop", "repetition")
         elif self.num_generated >= self.limit:
             self._finish("length", None)
 

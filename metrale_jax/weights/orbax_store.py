@@ -8,7 +8,12 @@ Layout of a checkpoint folder:
                       `gguf_tokenizer.json` with the GGUF tokenizer metadata
 
 Loading needs neither torch nor transformers, and restores the arrays straight into the
-params' shapes and dtype (the scale-out work passes shardings through the same call).
+params' shapes and dtype. Given shardings (`load_orbax(path, shardings=...)`, e.g.
+`functools.partial(engine.sharding.param_shardings, mesh=mesh)`), orbax restores each array
+straight into its sharded `jax.Array` on the mesh: every process reads from disk (or a bucket)
+only the slices its own devices hold, and no device or host ever holds a full copy of a
+sharded tensor. The stored layout is the same for every mesh (the stacked `[L, ...]` params
+of one device), so one checkpoint restores onto any mesh.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from metrale_jax.config import ModelConfig
+from metrale_jax.config import ModelConfig, check_dtype
 from metrale_jax.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -98,18 +104,39 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
-def load_orbax(path: Path, dtype: str | None = None):
-    """Loads a Metrale checkpoint folder into a `Checkpoint`; `dtype` casts the params."""
+Shardings = Callable[[dict[str, Any]], Any] | dict[str, Any]
+"""Where each param goes: a pytree of `jax.sharding.Sharding`s shaped like the params' pure
+dict (`nnx.to_pure_dict`: `{"embed": ..., "blocks": {"attn": {"q_proj": ...}}, ...}`), or a
+function from that dict of `jax.ShapeDtypeStruct`s to one."""
+
+
+def _jnp_dtype(name: str) -> Any:
+    return np.dtype(name) if name == "float32" else jax.numpy.bfloat16
+
+
+def load_orbax(path: Path, dtype: str | None = None, shardings: Shardings | None = None):
+    """Loads a Metrale checkpoint folder into a `Checkpoint`; `dtype` casts the params.
+
+    shardings: None restores every array whole onto the default device (as before). Given
+    (see `Shardings`), every array is restored straight into its sharding, already in `dtype`
+    (orbax casts while reading: a float32 checkpoint never occupies float32 memory as
+    bfloat16 params), reading only the slices of this process's devices. Params keep the
+    stacked `[L, ...]` layout; e.g. `shardings=functools.partial(param_shardings, mesh=mesh)`
+    with `metrale_jax.engine.sharding.param_shardings`.
+    """
     from metrale_jax.models.transformer import abstract_model
     from metrale_jax.weights.checkpoint import Checkpoint
 
+    if dtype is not None:
+        check_dtype(dtype)
     path = Path(path).expanduser().resolve()
     meta = read_metadata(path)
     config = ModelConfig.from_dict(meta["config"])
     stored = meta["dtype"]
-    graphdef, abstract = abstract_model(config, np.dtype(stored) if stored == "float32"
-                                        else jax.numpy.bfloat16)
+    graphdef, abstract = abstract_model(config, _jnp_dtype(stored))
     target = nnx.to_pure_dict(abstract)
+    if shardings is not None:
+        target = _sharded_target(target, shardings, _jnp_dtype(dtype or stored))
     if not (path / "params").is_dir():
         raise CheckpointError(f"{path / 'params'}: the params folder is missing")
     try:
@@ -117,7 +144,7 @@ def load_orbax(path: Path, dtype: str | None = None):
             restored = checkpointer.restore(path / "params", target)
     except (ValueError, KeyError, FileNotFoundError, OSError) as e:
         raise CheckpointError(f"{path / 'params'}: cannot restore params ({e})") from None
-    if dtype is not None and dtype != stored:
+    if shardings is None and dtype is not None and dtype != stored:
         restored = jax.tree.map(lambda x: x.astype(dtype), restored)
     state = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(state, restored)
@@ -126,6 +153,16 @@ def load_orbax(path: Path, dtype: str | None = None):
         name=str(path), path=path, format="orbax", config=config, graphdef=graphdef,
         params=state, tokenizer=tokenizer, chat_template=meta.get("chat_template"),
         generation_config=meta.get("generation_config") or {}, dtype=dtype or stored)
+
+
+def _sharded_target(target: dict[str, Any], shardings: Shardings, dtype: Any) -> dict[str, Any]:
+    """The restore target: `target`'s shapes in `dtype`, each with its sharding."""
+    tree = shardings(target) if callable(shardings) else shardings
+    try:
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), target, tree)
+    except ValueError as e:  # the shardings' tree does not match the params'
+        raise ValueError(f"shardings do not match the checkpoint's params: {e}") from None
 
 
 def _load_tokenizer(folder: Path, kind: str):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -18,7 +19,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from metrale_jax.engine.sampling import CANDIDATES, SamplingState, kept_mask, sample, seed_to_key
+from metrale_jax.engine.sampling import CANDIDATES, kept_mask, sample, seed_to_key
+from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 
 V = 1000
 
@@ -39,12 +41,21 @@ def reference_probs(logits: np.ndarray, t: float, k: int, p: float, min_p: float
     return out / out.sum()
 
 
-def arrays(rows: list[tuple[float, int, float, float]], seed: int = 0) -> SamplingState:
+def arrays(rows: list[tuple[float, int, float, float]], seed: int = 0,
+           vocab: int = V) -> SamplingState:
+    """Device settings of rows (temperature, top_k, top_p, min_p), every other control off."""
     n = len(rows)
     t, k, p, m = (np.array(c) for c in zip(*rows, strict=True))
-    return SamplingState(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
-                         jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32),
-                         jnp.asarray(np.tile(seed_to_key(seed), (n, 1))))
+    s = SamplingState.host_defaults(n, vocab)
+    s = dataclasses.replace(s, temperature=t.astype(np.float32), top_k=k.astype(np.int32),
+                            top_p=p.astype(np.float32), min_p=m.astype(np.float32),
+                            keys=np.tile(seed_to_key(seed), (n, 1)))
+    return jax.tree.map(jnp.asarray, s)
+
+
+def no_history(rows: int, vocab: int = V) -> tuple[TokenHistory, jax.Array]:
+    """An empty history (one stale position) and lengths of 1."""
+    return TokenHistory.zeros(rows, 1, vocab), jnp.ones((rows,), jnp.int32)
 
 
 GRID = list(itertools.product(
@@ -78,7 +89,11 @@ CHI_CASES = [(1.0, 0, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 
 
 @pytest.fixture(scope="module")
 def draw_fn():
-    return jax.jit(lambda lg, s, st: sample(lg, s, st, 5))
+    def fn(lg, s, st):
+        history, length = no_history(lg.shape[0], lg.shape[1])
+        return sample(lg, s, history, length, st, 5)
+
+    return jax.jit(fn)
 
 
 @pytest.mark.parametrize("case", CHI_CASES, ids=str)
@@ -122,7 +137,7 @@ def test_row_draw_ignores_the_rest_of_the_batch(draw_fn):
             (0.0, 0, 1.0, 0.0), (1.2, 0, 1.0, 0.01)]
     keys = np.stack([seed_to_key(i) for i in range(6)])
     s = arrays(rows)
-    s = SamplingState(s.temperature, s.top_k, s.top_p, s.min_p, jnp.asarray(keys))
+    s = dataclasses.replace(s, keys=jnp.asarray(keys))
     steps = jnp.arange(6, dtype=jnp.int32) + 3
     together = np.asarray(draw_fn(jnp.asarray(logits), s, steps).tokens)
     for i in range(6):
@@ -134,20 +149,18 @@ def test_row_draw_ignores_the_rest_of_the_batch(draw_fn):
 def test_candidate_draw_equals_full_vocabulary_draw():
     """The fast path (draw over the top candidates) picks the token the full-vocabulary
     draw with the same per-token noise picks, for every row and many seeds."""
-    from metrale_jax.engine.sampling import _draw, _token_noise, kept_mask
+    from metrale_jax.engine.sampling import _draw, _token_noise, step_keys
 
     B, V = 6, 3000
     x = jax.random.normal(jax.random.key(0), (B, V)) * 2.0
-    st = SamplingState(temperature=jnp.ones((B,)), top_k=jnp.array([5, 40, 0, 0, 300, 1]),
-                       top_p=jnp.array([1.0, 0.9, 0.5, 0.95, 1.0, 1.0]),
-                       min_p=jnp.array([0.0, 0.0, 0.0, 0.05, 0.0, 0.0]),
-                       keys=jnp.zeros((B, 2), jnp.uint32))
+    st = arrays([(1.0, 5, 1.0, 0.0), (1.0, 40, 0.9, 0.0), (1.0, 0, 0.5, 0.0),
+                 (1.0, 0, 0.95, 0.05), (1.0, 300, 1.0, 0.0), (1.0, 1, 1.0, 0.0)], vocab=V)
+    st = dataclasses.replace(st, keys=jnp.zeros((B, 2), jnp.uint32))
     keep = kept_mask(x, st)
     for seed in range(20):
         steps = jnp.full((B,), seed, jnp.int32)
-        got = _draw(x, st, steps)
-        row_keys = jax.vmap(lambda k, s: jax.random.key_data(
-            jax.random.fold_in(jax.random.wrap_key_data(k), s)))(st.keys, steps)
+        row_keys = step_keys(st, steps)
+        got = _draw(x, st, row_keys, want_keep=False).tokens
         g = jax.vmap(lambda k: _token_noise(k, jnp.arange(V)))(row_keys)
         want = jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

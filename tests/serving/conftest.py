@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -151,3 +153,65 @@ def stop_cli_server(proc) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def paused_decode(server):
+    """Holds the server's batching loop inside its next decode step until the block ends.
+
+    Yields a `threading.Event` set once the loop is held: from then on the requests in the
+    slots stay there and new ones wait in the queue, so a test can look at a moment of the
+    server that would otherwise pass in milliseconds. The engine's own `step` runs on release.
+    """
+    engine = server.state.runtime.scheduler.engine
+    entered, release = threading.Event(), threading.Event()
+    real = engine.step
+
+    def step(*args, **kwargs):
+        entered.set()
+        release.wait(120)
+        return real(*args, **kwargs)
+
+    engine.step = step
+    try:
+        yield entered
+    finally:
+        release.set()
+        del engine.step  # the class's method again
+
+
+class OpenStream:
+    """A streaming POST whose answer has started (its request is queued in the scheduler).
+
+    request_id: the server's `x-request-id`; the engine request of choice 0 is
+    `f"{request_id}-0"`. `finish()` reads the rest and returns the `data:` payloads.
+    """
+
+    def __init__(self, url: str, path: str, body: dict):
+        import http.client
+        from urllib.parse import urlparse
+        u = urlparse(url)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+        self.conn.request("POST", path, json.dumps({**body, "stream": True}),
+                          {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()  # the headers come once the request is queued
+        assert self.resp.status == 200, self.resp.read()
+        self.request_id = self.resp.getheader("x-request-id")
+
+    def finish(self) -> list:
+        out = []
+        try:
+            for raw in self.resp:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    payload = line[len("data: "):]
+                    out.append(payload if payload == "[DONE]" else json.loads(payload))
+        finally:
+            self.conn.close()
+        return out
+
+
+def get_json(url: str, path: str) -> Any:
+    """GET `path` as JSON (fails the test on an error status)."""
+    with urllib.request.urlopen(url + path, timeout=60) as r:
+        return json.loads(r.read())

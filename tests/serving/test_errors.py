@@ -30,9 +30,9 @@ CASES = [
      {**CHAT, "messages": [{"role": "user", "content": [
          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
      400, "messages[0].content[0]"),
-    ("penalty not implemented", "/v1/chat/completions", {**CHAT, "presence_penalty": 0.5},
+    ("penalty out of range", "/v1/chat/completions", {**CHAT, "presence_penalty": 2.5},
      400, "presence_penalty"),
-    ("logit_bias not implemented", "/v1/chat/completions", {**CHAT, "logit_bias": {"1": 5}},
+    ("logit_bias not a token id", "/v1/chat/completions", {**CHAT, "logit_bias": {"x": 5}},
      400, "logit_bias"),
     ("json mode not implemented", "/v1/chat/completions",
      {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),

@@ -1,0 +1,90 @@
+"""GET /v1/metrale/stats: the server's live state as JSON, for `metrale top` and scripts.
+
+    {"model", "state", "uptime_s", "time",
+     "slots": {"total", "used", "running": [{"slot", "request_id", "prompt_tokens", "tokens",
+                                             "running_s", "tokens_per_s"}]},
+     "waiting", "requests_active", "compiles",
+     "counters": {"admitted", "finished", "steps", "tokens", "loop_errors"},
+     "errors": {"total", "by_status": {"400": n, ...},
+                "recent": [{"time", "status", "type", "message", "request_id"}]}}
+
+`slots.running` comes from `Scheduler.snapshot()` (read without pausing the loop); `tokens`
+in `counters` counts every generated token, so a poller gets live throughput from two reads.
+Errors are the HTTP error answers (status ≥ 400) and errors sent inside a stream, newest last.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+RECENT_ERRORS = 20
+COUNTERS = ("admitted", "finished", "steps", "tokens", "loop_errors")
+
+
+class ErrorLog:
+    """Counts error answers by status and keeps the latest few (thread-safe)."""
+
+    def __init__(self, keep: int = RECENT_ERRORS):
+        self._lock = threading.Lock()
+        self.total = 0
+        self.by_status: collections.Counter[int] = collections.Counter()
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
+
+    def record(self, status: int, error_type: str, message: str,
+               request_id: str | None = None) -> None:
+        """Notes one error answer."""
+        with self._lock:
+            self.total += 1
+            self.by_status[status] += 1
+            self.recent.append({"time": time.time(), "status": status, "type": error_type,
+                                "message": message, "request_id": request_id})
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"total", "by_status", "recent"} (copies)."""
+        with self._lock:
+            return {"total": self.total,
+                    "by_status": {str(k): v for k, v in sorted(self.by_status.items())},
+                    "recent": list(self.recent)}
+
+
+def _running(slots: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    out = []
+    for i, s in enumerate(slots):
+        if s is None:
+            continue
+        running = s.get("running_s")
+        rate = s["tokens"] / running if running else None
+        out.append({"slot": i, "request_id": s["request_id"],
+                    "prompt_tokens": s.get("prompt_tokens"), "tokens": s["tokens"],
+                    "running_s": running, "tokens_per_s": rate})
+    return out
+
+
+def stats_body(state: Any) -> dict[str, Any]:
+    """The stats JSON of a `ServerState` (valid in every runtime state, loading included)."""
+    rt = state.runtime
+    scheduler = rt.scheduler  # None until warmup starts; then its compiles show the progress
+    if scheduler is not None:
+        snap = scheduler.snapshot()
+        slots, waiting, counters = snap["slots"], snap["waiting"], snap["stats"]
+        compiles = scheduler.engine.compile_count
+    else:
+        slots, waiting, counters, compiles = [], 0, {}, 0
+    running = _running(slots)
+    status = "draining" if state.draining else rt.state
+    return {
+        "model": state.settings.model_name,
+        "state": status,
+        "uptime_s": time.time() - rt.created,
+        "time": time.time(),
+        "slots": {"total": len(slots) or state.settings.max_slots, "used": len(running),
+                  "running": running},
+        "waiting": waiting,
+        "requests_active": state.active,
+        "compiles": compiles,
+        "counters": {k: int(counters.get(k, 0)) for k in COUNTERS},
+        "errors": state.errors.to_dict(),
+    }
