@@ -92,12 +92,33 @@ CONTROLS: dict[str, dict] = {
 }
 
 
-def sampling_table(engine: Engine, args) -> list[tuple[str, str]]:
+STORY = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "
+         "Describe the sea, the weather, the island and the people of the nearby village.")
+
+
+def sampling_engine(args, cache_dir: str) -> tuple[Engine, list[list[int]], str]:
+    """The engine for the sampling table: the default model's real weights when pulled (which
+    sampler path runs depends on how peaked the logits are), else random weights."""
+    from metrale_jax.weights.default_model import default_model_path
+    if default_model_path().is_file():
+        from metrale_jax.weights.checkpoint import load_checkpoint
+        ckpt = load_checkpoint("default")
+        engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
+                        engine_config(args, args.slots, cache_dir))
+        text = ckpt.tokenizer.encode(f"<|im_start|>user\n{STORY}<|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+        return engine, [text] * args.slots, "default model weights"
+    graphdef, params = random_model()
+    engine = Engine(DEFAULT_SHAPE, graphdef, params, engine_config(args, args.slots, cache_dir))
+    rng = np.random.default_rng(0)
+    return engine, [rng.integers(0, 2000, 200).tolist() for _ in range(args.slots)], \
+        "random weights"
+
+
+def sampling_table(engine: Engine, prompts: list[list[int]], args) -> list[tuple[str, str]]:
     """Decode step time at every slot busy: controls off, each alone, all on (interleaved
     rounds, medians; ratios against 'all off, sampled')."""
     B = engine.config.max_slots
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 2000, 200).tolist() for _ in range(B)]
     configs = {"all off, greedy": {}, "all off, sampled": SAMPLED}
     configs.update({name: {**SAMPLED, **c} for name, c in CONTROLS.items()})
     configs["all on"] = {k: v for c in (SAMPLED, *CONTROLS.values()) for k, v in c.items()}
@@ -202,16 +223,21 @@ def main() -> None:
 
     rows: list[tuple[str, str]] = []
     cache_dir = args.cache_dir or str(Path(tempfile.gettempdir()) / "metrale-bench-cache")
+    if args.sampling:
+        engine, prompts, what = sampling_engine(args, cache_dir)
+        t0 = time.perf_counter()
+        engine.warmup()
+        rows.append(("warmup (this run's cache)", f"{time.perf_counter() - t0:.1f} s"))
+        rows.append(("weights", what))
+        rows += sampling_table(engine, prompts, args)
+        _print(rows, args)
+        return
     graphdef, params = random_model()
     engine = Engine(DEFAULT_SHAPE, graphdef, params, engine_config(args, args.slots, cache_dir))
     t0 = time.perf_counter()
     engine.warmup()
     rows.append(("warmup (this run's cache)", f"{time.perf_counter() - t0:.1f} s, "
                  f"{engine.compile_count} programs"))
-    if args.sampling:
-        rows += sampling_table(engine, args)
-        _print(rows, args)
-        return
     cfg = engine.config
     for P in cfg.prefill_buckets:
         for Bp in sorted({1, cfg.max_prefill_batch}):

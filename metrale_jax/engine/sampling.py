@@ -13,8 +13,9 @@ The fixed order (also in `SamplingParams`' docstring):
 4. The draw is Gumbel-max over the kept set with noise indexed by token id (a hash of the
    row's step key and the id), so the result does not depend on how the kept set was found:
    a row whose kept set lies within its top `CANDIDATES` draws over those only, a row whose
-   kept set is a band of the vocabulary draws over the whole row, and only a row that needs
-   it pays for a full sort (each computed only when some row needs it, with `lax.cond`).
+   kept set is a band of the vocabulary draws over the whole row, a wider kept set is looked
+   for among the top `WIDE_CANDIDATES`, and only a row beyond those pays for a full sort
+   (each computed only when some row needs it, with `lax.cond`).
 
 Log-probabilities: "raw" (default) reports the model's own log-softmax; "processed" reports the
 distribution actually sampled from (processed, tempered, truncated; greedy rows: the processed
@@ -36,6 +37,8 @@ from metrale_jax.engine.truncation import BAND, EXACT, NEEDS_FULL, truncate
 
 CANDIDATES = 256
 """How many of the largest logits the fast path looks at."""
+WIDE_CANDIDATES = 2048
+"""The second tier, for rows whose kept set reaches beyond CANDIDATES (a wide nucleus)."""
 LOGPROBS_MODES = ("raw", "processed")
 _XTC_STREAM = 0x58544321  # folded into a row's step key for its XTC draw
 
@@ -98,6 +101,14 @@ def _full_sort(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return -neg, ids
 
 
+def _draw_sorted(vals: jax.Array, ids: jax.Array, keep: jax.Array,
+                 row_keys: jax.Array) -> jax.Array:
+    """Gumbel-max over kept sorted candidates `vals, ids, keep: [R, N]`: [R] int32 ids."""
+    g = jax.vmap(_token_noise)(row_keys, ids)
+    best = jnp.argmax(jnp.where(keep, vals + g, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(ids, best[:, None], axis=-1)[:, 0]
+
+
 def _scatter(keep_sorted: jax.Array, ids: jax.Array, V: int) -> jax.Array:
     R = ids.shape[0]
     return jnp.zeros((R, V), jnp.bool_).at[jnp.arange(R)[:, None], ids].set(keep_sorted)
@@ -112,7 +123,10 @@ def _draw(x: jax.Array, sampling: SamplingState, row_keys: jax.Array, want_keep:
                        | (sampling.typical_p < 1.0) | (sampling.xtc_probability > 0))
 
     def with_candidates(_):
-        vals, ids = jax.lax.top_k(x, C)
+        # The barrier keeps XLA from folding later slices of the candidates into the sort
+        # that top_k lowers to, which would stop XLA:CPU from turning it back into its fast
+        # TopK kernel (a full 49k-wide sort costs ~50x more).
+        vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(x, C))
         ks = truncate(vals, x, sampling, u)
         return vals, ids.astype(jnp.int32), ks.keep, ks.mode, ks.floor, ks.ceil
 
@@ -124,9 +138,7 @@ def _draw(x: jax.Array, sampling: SamplingState, row_keys: jax.Array, want_keep:
 
     vals, ids, keep_c, mode, floor, ceil = jax.lax.cond(
         jnp.any(uses_candidates), with_candidates, without, None)
-    g_c = jax.vmap(_token_noise)(row_keys, ids)
-    tok_c = jnp.take_along_axis(
-        ids, jnp.argmax(jnp.where(keep_c, vals + g_c, -jnp.inf), axis=-1)[:, None], axis=-1)[:, 0]
+    tok_c = _draw_sorted(vals, ids, keep_c, row_keys)
     all_ids = jnp.arange(V, dtype=jnp.int32)
     in_band = (x >= floor[:, None]) & (x <= ceil[:, None]) & (x > -jnp.inf)
 
@@ -136,20 +148,27 @@ def _draw(x: jax.Array, sampling: SamplingState, row_keys: jax.Array, want_keep:
 
     zeros = lambda _: jnp.zeros((R,), jnp.int32)  # noqa: E731
     tok_b = jax.lax.cond(jnp.any(mode == BAND), band, zeros, None)
+    no_keep = jnp.zeros((R, V if want_keep else 0), jnp.bool_)
 
-    def full(_):
+    def sorted_all(_):
         s_f, ids_f = _full_sort(x)
         keep_f = truncate(s_f, None, sampling, u).keep
-        g = jax.vmap(_token_noise)(row_keys, ids_f)
-        tok = jnp.take_along_axis(
-            ids_f, jnp.argmax(jnp.where(keep_f, s_f + g, -jnp.inf), axis=-1)[:, None],
-            axis=-1)[:, 0]
-        kv = _scatter(keep_f, ids_f, V) if want_keep else jnp.zeros((R, 0), jnp.bool_)
-        return tok, kv
+        return (_draw_sorted(s_f, ids_f, keep_f, row_keys),
+                _scatter(keep_f, ids_f, V) if want_keep else no_keep)
 
-    no_full = lambda _: (jnp.zeros((R,), jnp.int32),  # noqa: E731
-                         jnp.zeros((R, V if want_keep else 0), jnp.bool_))
-    tok_f, keep_f = jax.lax.cond(jnp.any(mode == NEEDS_FULL), full, no_full, None)
+    def wide(_):  # the wide candidates first; the full sort only for rows beyond them
+        vals2, ids2 = jax.lax.optimization_barrier(jax.lax.top_k(x, min(WIDE_CANDIDATES, V)))
+        ids2 = ids2.astype(jnp.int32)
+        ks2 = truncate(vals2, x, sampling, u)
+        exact = ks2.mode == EXACT
+        tok2 = _draw_sorted(vals2, ids2, ks2.keep, row_keys)
+        kv2 = _scatter(ks2.keep, ids2, V) if want_keep else no_keep
+        tok_s, kv_s = jax.lax.cond(jnp.any((mode == NEEDS_FULL) & ~exact), sorted_all,
+                                   lambda _: (jnp.zeros((R,), jnp.int32), no_keep), None)
+        return jnp.where(exact, tok2, tok_s), jnp.where(exact[:, None], kv2, kv_s)
+
+    tok_f, keep_f = jax.lax.cond(jnp.any(mode == NEEDS_FULL), wide,
+                                 lambda _: (jnp.zeros((R,), jnp.int32), no_keep), None)
     tokens = jnp.where(mode == EXACT, tok_c, jnp.where(mode == BAND, tok_b, tok_f))
     keep = None
     if want_keep:

@@ -18,7 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metrale_jax.engine.logits_processors import LZ_BUFFER, LZ_WINDOW, process_logits
-from metrale_jax.engine.sampling import CANDIDATES, kept_mask, step_keys, xtc_uniforms
+from metrale_jax.engine.sampling import (
+    CANDIDATES,
+    WIDE_CANDIDATES,
+    kept_mask,
+    step_keys,
+    xtc_uniforms,
+)
 from metrale_jax.engine.sampling_state import DRY_WINDOW, TokenHistory
 from metrale_jax.engine.state import SlotSettings, settings_to_arrays
 from tests.engine import sampling_reference as ref
@@ -117,7 +123,8 @@ def cases(draw, controls: tuple[str, ...]):
     if "top_n_sigma" in controls:
         p["top_n_sigma"] = draw(st.sampled_from([0.5, 1.5, 3.0]))
     if "truncation" in controls:
-        p["top_k"] = draw(st.sampled_from([0, 1, 5, 50, CANDIDATES, CANDIDATES + 40, V]))
+        p["top_k"] = draw(st.sampled_from([0, 1, 5, 50, CANDIDATES, CANDIDATES + 40,
+                                           WIDE_CANDIDATES + 100, V]))
         p["top_p"] = draw(st.sampled_from([1.0, 0.97, 0.6, 0.1]))
         p["min_p"] = draw(st.sampled_from([0.0, 0.02, 0.3]))
     if "typical" in controls:
