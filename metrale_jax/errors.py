@@ -102,3 +102,15 @@ class BusyError(MetraleError):
     def __init__(self, message: str, *, retry_after: float = 1.0):
         super().__init__(message, code="server_busy")
         self.retry_after = retry_after
+
+
+class PeerLostError(MetraleError):
+    """Another process of a multi-host server died or cut its connection: the collective
+    programs cannot run without it, so in-flight requests fail and this process exits
+    (HTTP 503)."""
+
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="peer_lost")

@@ -2,6 +2,7 @@
 
     from metrale_jax import LLM
     llm = LLM("default")                      # or a HF folder, a .gguf file, an orbax checkpoint
+    llm = LLM("default", mesh="data=2,model=4")   # sharded over 8 devices
     llm.config, llm.tokenizer
     llm.logits(token_ids)                     # [T, V] float32, one full forward pass
     llm.apply_chat_template(messages, add_generation_prompt=True) -> str
@@ -48,27 +49,40 @@ class LLM:
             (orbax) checkpoint folder.
         dtype: params and compute dtype, "float32" (CPU) or "bfloat16" (TPU/GPU); None =
             float32, or an orbax checkpoint's stored dtype.
-        max_slots, max_len: decode slots B and context length S of the engine; further
-            keyword arguments go to `EngineConfig`.
+        max_slots, max_len: decode slots B and context length S of the engine (None = as
+            many / as long as fit: the memory plan, which needs `memory_gb` on CPU).
+        mesh: the device mesh, "data=2,model=4" or (data, model); None = the default for the
+            model and the devices (see `engine/sharding.py`).
+        memory_gb: GiB per device for the memory plan (None = what the devices report).
+        Further keyword arguments go to `EngineConfig`.
+
+    The mesh and memory plan are decided while the checkpoint loads, before any weight is
+    read: an impossible configuration raises `MemoryPlanError` here, and an orbax
+    checkpoint restores straight into sharded arrays.
     """
 
     def __init__(self, model: str | Path = "default", *, dtype: str | None = None,
-                 max_slots: int = 8, max_len: int = 2048, **engine_options: Any):
-        self.checkpoint: Checkpoint = load_checkpoint(model, dtype)
+                 max_slots: int | None = 8, max_len: int | None = 2048,
+                 mesh: str | tuple[int, int] | None = None, memory_gb: float | None = None,
+                 **engine_options: Any):
+        from metrale_jax.engine.config import EngineConfig
+        from metrale_jax.engine.placement import PlacementHook
+        self._placement = PlacementHook(EngineConfig(
+            max_slots=max_slots, max_len=max_len, mesh=mesh, memory_gb=memory_gb,
+            **engine_options))
+        self.checkpoint: Checkpoint = load_checkpoint(model, dtype, shardings=self._placement)
         self._template = None
-        self._engine_options = dict(max_slots=max_slots, max_len=max_len,
-                                    dtype=self.checkpoint.dtype, **engine_options)
         self._scheduler = None
 
     @property
     def scheduler(self):
         """The batching loop (built, and its engine compiled, on first use)."""
         if self._scheduler is None:
-            from metrale_jax.engine import Engine, EngineConfig
+            from metrale_jax.engine import Engine
             from metrale_jax.scheduler import Scheduler
             ckpt = self.checkpoint
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
-                            EngineConfig(**self._engine_options))
+                            placement=self._placement.placement)
             self._scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids)
             self._scheduler.wait_ready()
         return self._scheduler

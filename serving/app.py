@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], 
 GET /metrics, GET /v1/metrale/stats (serving/stats.py), POST /tokenize, POST /detokenize.
 Every answer carries `x-request-id`; every error is `{"error": {"message", "type", "param",
 "code"}}` (and is noted in the stats' error log). Loading and warmup start with the app
-(`before_serving`); /health is 503 until the model is ready.
+(`before_serving`); /health is 503 until the model is ready. A multi-host follower (process
+id > 0) answers only /health.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
     @app.before_request
     async def _before() -> None:
         g.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if settings.process_id != 0 and request.path != "/health":  # a multi-host follower
+            raise NotFoundError(
+                f"process {settings.process_id} of {settings.num_processes} of a multi-host "
+                "server answers only /health; send API requests to process 0")
         length = request.content_length
         if length is not None and length > settings.max_body_bytes:
             raise PayloadTooLargeError(f"the request body has {length} bytes; the limit is "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -76,11 +77,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generates from one prompt, streaming text to stdout (or one JSON Completion)."""
+    import dataclasses
+
     from metrale_jax import LLM
     from serving.cli_sampling import sampling_params_from_args
+    from serving.cli_scale import engine_options, init_distributed, shape_flag
     params = sampling_params_from_args(args)
-    llm = LLM(args.model, dtype=args.dtype, max_slots=1, max_len=args.max_len,
-              logprobs_mode=args.logprobs_mode)
+    pid, processes = init_distributed(args)
+    if processes > 1:  # every process runs the same generation: the same seed on each
+        params = dataclasses.replace(params, seed=0 if params.seed is None else params.seed)
+        if pid != 0:  # only process 0 prints
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
+    llm = LLM(args.model, dtype=args.dtype, max_slots=1, max_len=shape_flag(args.max_len),
+              logprobs_mode=args.logprobs_mode, **engine_options(args))
     try:
         if args.chat:
             messages = [{"role": "user", "content": args.prompt}]
@@ -104,28 +113,59 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Runs the OpenAI-compatible HTTP server until SIGTERM/SIGINT; prints its URL when ready."""
+    from serving.cli_scale import init_distributed
+    if args.max_slots < 0 or args.max_len < 0 or args.max_len == 1:
+        raise MetraleError("--max-slots must be ≥ 1 and --max-len ≥ 2 (0: chosen by the "
+                           "memory plan)")
+    pid, processes = init_distributed(args)
+    if processes == 1:
+        return _serve(args, 0, 1)
+    # Multi-host: every way out is os._exit, since jax.distributed's shutdown barrier would
+    # wait for processes that may be gone (metrale_jax/scheduler/multihost.py).
+    from metrale_jax.scheduler.multihost import exit_now
+    code = 1
+    try:
+        code = _serve(args, pid, processes)
+    except MetraleError as e:
+        print(f"metrale: error: {e.message}", file=sys.stderr)
+        code = 2
+    except BaseException as e:
+        print(f"metrale: failed: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        exit_now(code)
+    return code
+
+
+def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
+    from serving.cli_scale import engine_options, shape_flag
     from serving.server import serve
     from serving.settings import ServerSettings
-    if args.max_slots < 1 or args.max_len < 2:
-        raise MetraleError("--max-slots must be ≥ 1 and --max-len ≥ 2")
-    options = {"logprobs_mode": args.logprobs_mode}
+    options = {"logprobs_mode": args.logprobs_mode, **engine_options(args)}
     if args.max_prefill_len is not None:
         options["max_prefill_len"] = args.max_prefill_len
     settings = ServerSettings(
         model=args.model, served_model_name=args.served_model_name, host=args.host,
-        port=args.port, max_slots=args.max_slots, max_len=args.max_len, dtype=args.dtype,
+        port=args.port, max_slots=shape_flag(args.max_slots),
+        max_len=shape_flag(args.max_len), dtype=args.dtype, process_id=pid,
+        num_processes=processes,
         engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
-        max_waiting=args.max_waiting)
+        max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser)
     from serving.progress import StageProgress
-    logging.getLogger("serving").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.scheduler.multihost"):
+        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     print(f"metrale: loading {args.model} ...", file=sys.stderr)
     progress = StageProgress()
 
     def ready(url: str) -> None:
         progress.close()
-        print(f"metrale: serving {settings.model_name!r} at {url}/v1 (Ctrl-C to stop)",
-              flush=True)
+        if pid == 0:
+            print(f"metrale: serving {settings.model_name!r} at {url}/v1 (Ctrl-C to stop)",
+                  flush=True)
+        else:
+            print(f"metrale: process {pid} of {processes} ready at {url} (/health only; "
+                  "process 0 serves the API)", flush=True)
 
     try:
         serve(settings, on_ready=ready, progress=progress)
@@ -141,6 +181,19 @@ def _logprobs_mode_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
                         help="logprobs of the model's raw log-softmax (default, as vLLM) or of "
                              "the processed distribution actually sampled from")
+
+
+def _parser_flags(parser: argparse.ArgumentParser) -> None:
+    from serving import reasoning
+    from serving.tools import parsers
+    parser.add_argument("--tool-call-parser", default="auto",
+                        choices=[*parsers.CHOICES, *parsers.ALIASES],
+                        help="the tool-call format of the model's output (default: from the "
+                             "chat template)")
+    parser.add_argument("--reasoning-parser", default="auto",
+                        choices=[*reasoning.CHOICES, *reasoning.ALIASES],
+                        help="split the model's thinking into reasoning_content (default: "
+                             "'think' when the chat template knows <think>)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="params and compute dtype (default float32, or an orbax "
                           "checkpoint's stored dtype)")
     gen.add_argument("--json", action="store_true", help="print the Completion as JSON")
+    from serving.cli_scale import add_scale_flags
+    add_scale_flags(gen)
     _logprobs_mode_flag(gen)
     from serving.cli_sampling import add_sampling_flags
     add_sampling_flags(gen)
@@ -181,8 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model id clients use (default: the --model argument)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any)")
-    srv.add_argument("--max-slots", type=int, default=8, help="decode slots B")
-    srv.add_argument("--max-len", type=int, default=2048, help="context length S")
+    srv.add_argument("--max-slots", type=int, default=8,
+                     help="decode slots B (0 = as many as fit: the memory plan)")
+    srv.add_argument("--max-len", type=int, default=2048,
+                     help="context length S (0 = chosen by the memory plan)")
     srv.add_argument("--max-prefill-len", type=int, default=None,
                      help="largest prefill bucket (a power of two; default the engine's)")
     srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -197,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds in-flight requests get after SIGTERM")
     _logprobs_mode_flag(srv)
+    _parser_flags(srv)
+    add_scale_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
     from serving import cli_bench, cli_chat, cli_models, tui_top

@@ -13,6 +13,7 @@ from typing import Any
 
 from metrale_jax.errors import MetraleError
 from metrale_jax.scheduler import Finished, Token
+from serving.chat_output import ChatOutput, ChoiceStream
 from serving.errors import InternalError
 from serving.generation import ChoiceState, Generation
 from serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,6 +45,7 @@ class Prepared:
         self.logprobs = logprobs
         self.echo = echo
         self.on_error: Callable[[MetraleError], None] | None = None  # errors sent in a stream
+        self.output: ChatOutput | None = None  # chat: reasoning / tool-call parsing, if any
 
 
 def _timeout(state: ServerState, requested: float | None) -> float | None:
@@ -57,15 +59,22 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
     req.validate_semantics()
     prompt = rt.encode_chat(req.template_messages(),
                             add_generation_prompt=req.add_generation_prompt,
-                            tools=req.tools, **(req.chat_template_kwargs or {}))
+                            tools=req.tools, **req.template_kwargs())
     params = req.sampling_params(req.max_new_tokens, req.num_logprobs)
+    output = ChatOutput.for_request(
+        state.settings, rt.checkpoint.chat_template, req.tool_choice_spec(),
+        req.suppress_tool_call, rt.decode(prompt[-16:], skip_special_tokens=False),
+        constrained=getattr(params, "constraint", None) is not None)
+    params = output.adjust_params(params, rt.tokenizer, req.tools, req.thinking_budget)
     gen = Generation(rt, state.metrics, [prompt], params, req.n,
                      _timeout(state, req.timeout), request_id)
     gen.check()
     gen.submit()
     env = Envelope("chatcmpl", "chat.completion", state.settings.model_name, rt.fingerprint)
-    return Prepared(gen, env, req.stream, req.include_usage, req.logprobs,
+    prep = Prepared(gen, env, req.stream, req.include_usage, req.logprobs,
                     token_ids=req.return_token_ids)
+    prep.output = output if output.active else None
+    return prep
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest,
@@ -104,10 +113,14 @@ def chat_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
     gen = prep.gen
     choices = []
     for c in gen.choices:
-        choices.append({"index": c.index, "message": chat_message(c.output),
+        message, finish_reason = chat_message(c.output), c.finish_reason
+        if prep.output is not None:
+            message, called = prep.output.message(c.output)
+            finish_reason = prep.output.finish_reason(finish_reason, called)
+        choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs, rt.token_str)
                         if prep.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         if prep.token_ids:
             choices[-1]["token_ids"] = list(c.token_ids)
     body = prep.env.body(choices, usage(gen.prompt_tokens, gen.completion_tokens))
@@ -183,7 +196,42 @@ def chat_stream(prep: Prepared, rt: ModelRuntime,
                        "logprobs": None, "finish_reason": None}, extra)
                 for c in prep.gen.choices]
 
+    output = prep.output
+    streams = {c.index: output.stream() for c in prep.gen.choices} if output else {}
+
+    def shaped(c: ChoiceState, s: ChoiceStream, event: Any) -> bytes | None:
+        """The chunks of one event through the choice's parsers (one per delta)."""
+        if isinstance(event, Token):
+            deltas = s.feed(event.text)
+            if not deltas and (event.logprobs or prep.token_ids):
+                deltas = [{}]
+            first = {"logprobs": chat_logprobs(event.logprobs, rt.token_str)
+                     if prep.logprobs else None, "token_ids": list(event.token_ids)}
+        elif isinstance(event, Finished):
+            deltas = s.finish(event.text)
+            first = {"logprobs": None, "token_ids": []}
+        else:
+            return None
+        out = []
+        for k, delta in enumerate(deltas):
+            choice = {"index": c.index, "delta": delta, "logprobs": first["logprobs"] if k == 0
+                      else None, "finish_reason": None}
+            if prep.token_ids:
+                choice["token_ids"] = first["token_ids"] if k == 0 else []
+            out.append(chunk(choice))
+        if isinstance(event, Finished):
+            assert output is not None
+            choice = {"index": c.index, "delta": {}, "logprobs": None,
+                      "finish_reason": output.finish_reason(event.finish_reason, s.called),
+                      "stop_reason": event.stop_reason}
+            if prep.token_ids:
+                choice["token_ids"] = []
+            out.append(chunk(choice))
+        return b"".join(out) or None
+
     def on_event(c: ChoiceState, event: Any) -> bytes | None:
+        if c.index in streams:
+            return shaped(c, streams[c.index], event)
         if isinstance(event, Token):
             if not event.text and not event.logprobs and not prep.token_ids:
                 return None

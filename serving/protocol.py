@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.scheduler import SamplingParams
+from serving.tools.request import ToolChoice, parse_tool_choice, template_tool_calls
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -77,6 +78,11 @@ class _Sampling(_Body):
     # request ends with a timeout error.
     lz_penalty: Annotated[float, Field(ge=0)] | None = None
     repetition_detection: StrictBool | dict[str, Any] | None = None
+    # Constrained decoding (besides chat's response_format): the whole output matches a
+    # regex, is one of `choice`, or follows a Lark / GBNF `grammar` (llguidance).
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None
 
     def _check_unsupported(self) -> None:
@@ -118,8 +124,20 @@ class _Sampling(_Body):
             min_tokens=self.min_tokens,
             bad_words=tuple(self.bad_words or ()),
             repetition_detection=self.repetition_detection,
+            constraint=self.constraint(),
             **extras,
         )
+
+    def constraint(self) -> Any:
+        """The request's one output constraint (`scheduler.constraints.Constraint`) or None;
+        raises `InvalidParameterError` when it has more than one or a malformed one."""
+        rf = getattr(self, "response_format", None)
+        if rf is None and self.regex is None and self.choice is None and self.grammar is None:
+            return None
+        from metrale_jax.scheduler.constraints import Constraint
+        return Constraint.from_request(
+            response_format=rf.model_dump(exclude_none=True) if rf is not None else None,
+            regex=self.regex, choice=self.choice, grammar=self.grammar)
 
     @property
     def include_usage(self) -> bool:
@@ -139,7 +157,8 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """`response_format`: only `{"type": "text"}` until constrained decoding lands."""
+    """`response_format`: `text`, `json_object`, or `json_schema` with `json_schema: {name,
+    schema, strict}` (constrained decoding)."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema"]
@@ -158,6 +177,11 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # extensions: tool calls left unparsed; thinking on/off (as chat_template_kwargs has it)
+    # and a budget of thinking tokens (serving/chat_output.py, serving/reasoning.py)
+    suppress_tool_call: bool = False
+    enable_thinking: bool | None = None
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None
 
     def validate_semantics(self) -> None:
         """Cross-field checks and unsupported parameters (raises `InvalidParameterError`)."""
@@ -165,16 +189,7 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs requires logprobs to be true",
                                         param="top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidParameterError(
-                f"response_format {self.response_format.type!r} is not supported yet: "
-                "only 'text'", param="response_format")
-        if self.tools and self.tool_choice != "none":
-            raise InvalidParameterError(
-                "tool calling is not supported yet: omit tools or set tool_choice to 'none'",
-                param="tools")
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
-            raise InvalidParameterError("tool_choice needs tools", param="tool_choice")
+        self.tool_choice_spec()
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -186,8 +201,20 @@ class ChatCompletionRequest(_Sampling):
         """The scheduler's `logprobs` setting: None = none, k = the top-k alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_choice_spec(self) -> ToolChoice:
+        """`tools`, `tool_choice` and `parallel_tool_calls`, validated (400s name the field)."""
+        return parse_tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra chat template variables: `chat_template_kwargs`, and `enable_thinking`."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
+
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template wants them (content parts joined into text)."""
+        """The messages as the chat template wants them (content parts joined into text,
+        tool call arguments as dicts)."""
         out = []
         for i, m in enumerate(self.messages):
             msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
@@ -195,6 +222,11 @@ class ChatCompletionRequest(_Sampling):
             for key in ("name", "tool_calls", "tool_call_id"):
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
+            if m.tool_calls is not None:
+                msg["tool_calls"] = template_tool_calls(m.tool_calls, i)
+            for key in ("reasoning_content", "reasoning"):  # earlier thinking, if sent back
+                if isinstance((m.model_extra or {}).get(key), str):
+                    msg[key] = m.model_extra[key]
             out.append(msg)
         return out
 

@@ -3,6 +3,12 @@
 Loading (weights, engine, warmup) runs in a worker thread started by `start()`; the event loop
 keeps answering (/health is 503) until `state` is "ready". Nothing here runs JAX on the event
 loop: the scheduler's thread owns the engine.
+
+Multi-host (`settings.num_processes > 1`, metrale_jax/scheduler/multihost.py): once the engine
+is placed, every process joins the side channel. Process 0 runs the scheduler over a
+`LeaderEngine` (each engine call reaches every process); the others warm up and replay the
+calls in a thread, and their app answers only /health. A lost peer fails every request with
+`PeerLostError` and ends the process with `multihost.EXIT_PEER_LOST`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from serving.settings import ServerSettings
 log = logging.getLogger(__name__)
 
 LOADING, COMPILING = "loading weights", "compiling"
+PEER_LOST_GRACE_S = 2.0  # seconds the error answers get before a process with a lost peer exits
 STATES = ("starting", "loading", "warming_up", "ready", "failed", "draining", "stopped")
 
 
@@ -39,10 +46,12 @@ class ModelRuntime:
         self.error: BaseException | None = None
         self.checkpoint: Any = None
         self.scheduler: Any = None
+        self.engine_config: Any = None  # the engine's resolved EngineConfig, once built
         self.created = int(time.time())
         self._template: Any = None
         self._token_strs: dict[int, str] = {}
         self._loaded = threading.Event()
+        self._channel: Any = None  # the multi-host side channel, when there is one
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> threading.Thread:
@@ -53,22 +62,28 @@ class ModelRuntime:
 
     def _load(self) -> None:
         from metrale_jax.engine import Engine, EngineConfig
+        from metrale_jax.engine.placement import PlacementHook
         from metrale_jax.scheduler import Scheduler
         from metrale_jax.weights.checkpoint import load_checkpoint
         s = self.settings
         try:
             self.state = "loading"
             log.info("loading %s", s.model)
+            # The mesh and memory plan are decided before any weight is read (see
+            # engine/placement.py); an impossible configuration fails here.
+            hook = PlacementHook(EngineConfig(max_slots=s.max_slots, max_len=s.max_len,
+                                              **s.engine_options))
             with stage(self.progress, LOADING) as step:
-                ckpt = load_checkpoint(s.model, s.dtype, **progress_kwargs(
+                ckpt = load_checkpoint(s.model, s.dtype, shardings=hook, **progress_kwargs(
                     load_checkpoint, step if self.progress else None))
             self.checkpoint = ckpt
-            options = dict(s.engine_options)
-            # EngineConfig's default prefill batch (4) must not exceed the slots.
-            options.setdefault("max_prefill_batch", min(4, s.max_slots))
-            config = EngineConfig(max_slots=s.max_slots, max_len=s.max_len, dtype=ckpt.dtype,
-                                  **options)
-            engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params, config)
+            engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
+                            placement=hook.placement)
+            self.engine_config = engine.config
+            if s.num_processes > 1:
+                engine = self._join_processes(engine)
+                if engine is None:  # a follower: replaying process 0's calls
+                    return
             self.state = "warming_up"
             with stage(self.progress if s.warmup else None, COMPILING) as step:
                 hook = step if self.progress and accepts_keyword(engine.warmup, "progress") \
@@ -88,6 +103,55 @@ class ModelRuntime:
         finally:
             self._loaded.set()
 
+    def _join_processes(self, engine: Any) -> Any:
+        """Opens the multi-host side channel. Process 0: returns its engine wrapped so that
+        every call reaches the other processes. A follower: warms up, starts replaying
+        process 0's calls in a thread, and returns None."""
+        from metrale_jax.scheduler import multihost
+        s = self.settings
+        self._channel = multihost.connect(s.process_id, s.num_processes, self._peer_lost)
+        if s.process_id == 0:
+            return multihost.LeaderEngine(engine, self._channel)
+        self.state = "warming_up"
+        if s.warmup:
+            with stage(self.progress, COMPILING) as step:
+                engine.warmup(**progress_kwargs(engine.warmup, step if self.progress else None))
+        threading.Thread(target=self._follow, args=(engine,), name="metrale-follower",
+                         daemon=True).start()
+        self.state = "ready"
+        log.info("process %d of %d: ready, replaying process 0's engine calls", s.process_id,
+                 s.num_processes)
+        return None
+
+    def _follow(self, engine: Any) -> None:
+        """A follower's thread: replays process 0's calls; exits the process when it ends."""
+        from metrale_jax.scheduler import multihost
+        try:
+            multihost.run_follower(engine, self._channel)
+        except BaseException as e:
+            if self.state == "stopped":  # our own stop() hung up
+                return
+            log.error("%s", e.message if isinstance(e, MetraleError) else e,
+                      exc_info=not isinstance(e, MetraleError))
+            self.error, self.state = e, "failed"
+            multihost.exit_now(multihost.EXIT_PEER_LOST)
+        log.info("process 0 stopped the server; process %d exits", self.settings.process_id)
+        self.state = "stopped"
+        multihost.exit_now(0)
+
+    def _peer_lost(self, error: BaseException) -> None:
+        """A peer is gone. Process 0: every request fails with `error`, then the process exits
+        (after `PEER_LOST_GRACE_S`, time for the answers to go out). A follower exits now."""
+        from metrale_jax.scheduler import multihost
+        if self.state == "stopped":  # our own stop hung up
+            return
+        self.error, self.state = error, "failed"
+        if self.settings.process_id != 0:
+            multihost.exit_now(multihost.EXIT_PEER_LOST)
+        if self.scheduler is not None:
+            self.scheduler.abort(error)
+        multihost.exit_soon(multihost.EXIT_PEER_LOST, PEER_LOST_GRACE_S)
+
     async def wait_loaded(self) -> None:
         """Waits (without blocking the loop) until loading has succeeded or failed."""
         await asyncio.to_thread(self._loaded.wait)
@@ -103,6 +167,8 @@ class ModelRuntime:
             self.state = "stopped"
         if self.scheduler is not None:
             self.scheduler.stop()
+        if self._channel is not None:  # multi-host: the others stop too (or see us go)
+            self._channel.close()
 
     # ---- model facts -------------------------------------------------------------------
     @property
@@ -112,8 +178,17 @@ class ModelRuntime:
 
     @property
     def max_len(self) -> int:
-        """The context length S."""
-        return self.settings.max_len
+        """The context length S (the memory plan's choice when the settings leave it None)."""
+        if self.engine_config is not None:
+            return self.engine_config.max_len
+        return self.settings.max_len or 0
+
+    @property
+    def max_slots(self) -> int:
+        """The decode slots B (the memory plan's choice when the settings leave it None)."""
+        if self.engine_config is not None:
+            return self.engine_config.max_slots
+        return self.settings.max_slots or 0
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -128,7 +203,7 @@ class ModelRuntime:
     def fingerprint(self) -> str:
         """`system_fingerprint`: the backend configuration (changes when outputs may)."""
         dtype = self.checkpoint.dtype if self.checkpoint is not None else "none"
-        return f"fp_metrale_{dtype}_{self.settings.max_slots}x{self.settings.max_len}"
+        return f"fp_metrale_{dtype}_{self.max_slots}x{self.max_len}"
 
     def model_card(self) -> dict[str, Any]:
         """The /v1/models entry of the served model."""

@@ -13,8 +13,12 @@ class ServerSettings:
     model: "default", a HF folder, a .gguf file or an orbax checkpoint (`load_checkpoint`).
     served_model_name: the id clients send as `model` and /v1/models lists (None = `model`).
     host, port: where Hypercorn listens (port 0 = any free port).
-    max_slots, max_len, dtype: the engine's decode slots B, context length S and dtype.
-    engine_options: further `EngineConfig` fields (max_prefill_len, decode_steps, ...).
+    max_slots, max_len, dtype: the engine's decode slots B, context length S and dtype (B or S
+        None: chosen by the memory plan, see metrale_jax/engine/placement.py).
+    engine_options: further `EngineConfig` fields (max_prefill_len, decode_steps, mesh,
+        memory_gb, ...).
+    process_id, num_processes: this process among those of a multi-host server (process 0
+        serves the API; the others run the same engine calls and answer only /health).
     max_waiting: bound of the scheduler's waiting queue (beyond it: 503 + Retry-After).
     api_key: when set, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`.
     max_body_bytes: request bodies above this get 413.
@@ -22,14 +26,18 @@ class ServerSettings:
         `timeout` field overrides it.
     grace_period: seconds in-flight requests may run after SIGTERM before they are cancelled.
     warmup: compile every engine shape before /health turns 200.
+    tool_call_parser: the tool-call format of the model's output (`hermes`, `llama3_json`,
+        `mistral`), "none", or "auto" (from the chat template); serving/tools/parsers.py.
+    reasoning_parser: the thinking format (`think`, `deepseek_r1`), "none", or "auto" (`think`
+        when the chat template knows `<think>`); serving/reasoning.py.
     """
 
     model: str = "default"
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    max_slots: int = 8
-    max_len: int = 2048
+    max_slots: int | None = 8
+    max_len: int | None = 2048
     dtype: str | None = None
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_waiting: int = 256
@@ -38,6 +46,10 @@ class ServerSettings:
     request_timeout: float | None = 600.0
     grace_period: float = 30.0
     warmup: bool = True
+    process_id: int = 0
+    num_processes: int = 1
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
     @property
     def model_name(self) -> str:

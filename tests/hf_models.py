@@ -63,20 +63,28 @@ CORPUS = [
 ] * 20
 
 
-def save_tiny_tokenizer(folder: Path, vocab_size: int = 600) -> None:
-    """Trains a byte-level BPE tokenizer on a small corpus and saves it HF-style in `folder`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 600, added_tokens: tuple[str, ...] = (),
+                        chat_template: str | None = None, corpus: list[str] = CORPUS) -> None:
+    """Trains a byte-level BPE tokenizer on a small corpus and saves it HF-style in `folder`.
+
+    added_tokens: non-special added tokens (e.g. `<think>`), kept in decoded text.
+    chat_template: replaces the minimal default template.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
                                                 eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
-                          "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    if added_tokens:
+        fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    fast.chat_template = chat_template or (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
+        "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}")
     fast.save_pretrained(folder)
 
 
@@ -84,4 +92,44 @@ def build_tiny_checkpoint(folder: Path, arch: str = "llama") -> Path:
     """A complete tiny HF folder: a random `arch` model plus the tiny tokenizer; returns it."""
     build_hf_model(arch, folder)
     save_tiny_tokenizer(folder)
+    return folder
+
+
+TOOL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+TOOL_CORPUS = [*CORPUS, *[
+    '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": '
+    '"object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}',
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "<s>system: <tools></tools></s><s>user: weather?</s><s>assistant: </s>"
+    "<s>tool: <tool_response>sunny</tool_response></s>"] * 20]
+"""The tiny corpus plus tool-call JSON, so that tools and calls take few tokens."""
+HERMES_TEMPLATE = """\
+{%- if tools %}<s>system: {% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}\
+<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools></s>
+{%- elif messages[0].role == 'system' %}<s>system: {{ messages[0].content }}</s>
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' and loop.first %}
+{%- elif m.role == 'assistant' %}<s>assistant: {% if m.reasoning_content %}<think>\
+{{ m.reasoning_content }}</think>{% endif %}{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] %}<tool_call>{"name": "{{ tc.function.name }}", "arguments": \
+{{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}</s>
+{%- elif m.role == 'tool' %}<s>tool: <tool_response>{{ m.content }}</tool_response></s>
+{%- else %}<s>{{ m.role }}: {{ m.content }}</s>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<s>assistant: {% if enable_thinking is defined %}\
+{% if enable_thinking %}<think>{% else %}<think></think>{% endif %}{% endif %}{% endif %}"""
+"""A Hermes/Qwen-style template: tools in the system turn, `<tool_call>` history, tool
+results, `<think>` opened by `enable_thinking=True` (closed empty by False)."""
+
+
+def build_tool_checkpoint(folder: Path, arch: str = "llama") -> Path:
+    """A tiny HF folder whose vocabulary has the think and tool-call tags as added tokens
+    and whose template is `HERMES_TEMPLATE`; returns it. The default arch is the shared
+    server's (`build_tiny_checkpoint`), so a server of the same shapes reuses its compiled
+    programs from JAX's persistent cache."""
+    build_hf_model(arch, folder)
+    save_tiny_tokenizer(folder, added_tokens=TOOL_TOKENS, chat_template=HERMES_TEMPLATE,
+                        corpus=TOOL_CORPUS)
     return folder

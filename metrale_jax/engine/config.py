@@ -2,14 +2,20 @@
 
 Every field is static: changing one means new compiled programs. Request-level settings
 (temperature, top-p, seeds, ...) are never here; they are per-slot data in the `DecodeState`.
+
+`max_slots` and `max_len` may be None ("choose"): the engine's memory plan
+(`engine/placement.py`) picks them from the device memory and returns a resolved copy
+(`with_shapes`); the shape properties below need a resolved config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from metrale_jax.config import DTYPES
+from metrale_jax.engine.sharding import check_mesh_shape, parse_mesh
 from metrale_jax.errors import InvalidParameterError
 
 DEFAULT_CACHE_DIR = "~/.cache/metrale/jax"
@@ -23,8 +29,10 @@ def _default_cache_dir() -> str:
 class EngineConfig:
     """The shapes the engine compiles for.
 
-    max_slots: B, decode slots (sequences decoded together in one step).
+    max_slots: B, decode slots (sequences decoded together in one step); a multiple of the
+        mesh's data axis. None = as many as fit (the memory plan).
     max_len: S, cache positions per slot; a prompt may have up to `max_len - 1` tokens.
+        None = chosen by the memory plan (min(the model's max positions, 4096) when it fits).
     min_prefill_bucket / max_prefill_len: prefill buckets are the powers of two between them
         (both powers of two); longer prompts are prefilled in chunks of `max_prefill_len`.
         None = 512, or the largest power of two below `max_len` when that is smaller.
@@ -40,10 +48,15 @@ class EngineConfig:
     num_top_logprobs: N, the top log-probabilities returned for every sampled token.
     logprobs_mode: "raw" (the model's log-softmax, as vLLM) or "processed" (the distribution
         actually sampled from: after penalties, biases, masks, temperature and truncation).
+    mesh: the device mesh (data, model): a tuple, or a string such as "data=2,model=4"
+        (normalised to a tuple); None = the default for the model and the devices
+        (`sharding.default_mesh_shape`). Static: slots shard over data, heads over model.
+    memory_gb: GiB of memory per device for the memory plan, where the devices report none
+        (CPU) or to plan for less than they have; None = what `memory_stats()` says.
     """
 
-    max_slots: int = 8
-    max_len: int = 2048
+    max_slots: int | None = 8
+    max_len: int | None = 2048
     min_prefill_bucket: int = 16
     max_prefill_len: int | None = None
     max_prefill_batch: int | None = None
@@ -54,11 +67,33 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=_default_cache_dir)
     num_top_logprobs: int = 20
     logprobs_mode: str = "raw"
+    mesh: tuple[int, int] | str | None = None
+    memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
             return InvalidParameterError(
                 f"engine config: {field}={getattr(self, field)!r} {why}", param=field)
+
+        if isinstance(self.mesh, str):
+            object.__setattr__(self, "mesh", parse_mesh(self.mesh))
+        elif self.mesh is not None:
+            try:
+                shape = tuple(int(x) for x in self.mesh)
+            except (TypeError, ValueError):
+                raise bad("mesh", "must be 'data=D,model=M', a (data, model) tuple or "
+                                  "None") from None
+            if len(shape) != 2:
+                raise bad("mesh", "must have two sizes (data, model)")
+            check_mesh_shape(shape, math.prod(shape))
+            object.__setattr__(self, "mesh", shape)
+        if self.memory_gb is not None and (
+                isinstance(self.memory_gb, bool) or not isinstance(self.memory_gb, int | float)
+                or not 0 < self.memory_gb < math.inf):
+            raise bad("memory_gb", "must be a positive number of GiB")
+        if self.max_slots is None or self.max_len is None:  # to be chosen by the memory plan
+            self._check_unresolved(bad)
+            return
 
         if isinstance(self.max_len, int) and self.max_len >= 1 and self.max_prefill_len is None:
             object.__setattr__(self, "max_prefill_len",
@@ -91,6 +126,43 @@ class EngineConfig:
             raise bad("dtype", f"must be one of {DTYPES}")
         if self.cache_dtype is not None and self.cache_dtype not in DTYPES:
             raise bad("cache_dtype", f"must be one of {DTYPES} or None")
+        if self.max_slots % self.data_axis:
+            raise bad("max_slots", f"must be a multiple of the mesh's data axis "
+                                   f"({self.data_axis}): each data shard holds as many slots")
+
+    def _check_unresolved(self, bad) -> None:
+        """The checks that hold before the memory plan fills in max_slots / max_len."""
+        for name in ("max_slots", "max_len", "min_prefill_bucket", "max_prefill_len",
+                     "max_prefill_batch", "max_batched_prefill_len", "decode_steps",
+                     "num_top_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
+                raise bad(name, "must be a positive integer or None")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {DTYPES}")
+        if self.cache_dtype is not None and self.cache_dtype not in DTYPES:
+            raise bad("cache_dtype", f"must be one of {DTYPES} or None")
+
+    @property
+    def resolved(self) -> bool:
+        """True when max_slots and max_len are known (the shape properties need them)."""
+        return self.max_slots is not None and self.max_len is not None
+
+    def with_shapes(self, max_slots: int, max_len: int,
+                    mesh: tuple[int, int] | None = None) -> EngineConfig:
+        """A copy with max_slots, max_len (and the mesh) filled in; prefill sizes left unset
+        are derived again from them; a prefill batch above the slots is lowered to them."""
+        batch = self.max_prefill_batch
+        return dataclasses.replace(self, max_slots=max_slots, max_len=max_len,
+                                   mesh=self.mesh if mesh is None else mesh,
+                                   max_prefill_batch=None if batch is None else min(batch,
+                                                                                   max_slots))
+
+    @property
+    def data_axis(self) -> int:
+        """The mesh's data axis size (1 while the mesh is None, i.e. not chosen yet)."""
+        return 1 if self.mesh is None else int(self.mesh[0])
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -122,11 +194,14 @@ class EngineConfig:
 
     @property
     def active_slot_buckets(self) -> tuple[int, ...]:
-        """The slot counts `generate` is compiled for: 1, 2, 4, ... below `max_slots`, then it.
+        """The slot counts `generate` is compiled for: d, 2d, 4d, ... below `max_slots`, then
+        it, where d is the mesh's data axis (1, 2, 4, ... on one data shard).
 
         A step computes only the first `rows` slots, the smallest bucket that covers the
-        highest slot in use (the scheduler fills the lowest free slots first)."""
-        out, b = [], 1
+        highest slot in use (the scheduler fills the lowest free slots first). Starting at d
+        keeps every bucket a multiple of the data axis, so the rows a step computes still
+        split evenly over the data shards."""
+        out, b = [], self.data_axis
         while b < self.max_slots:
             out.append(b)
             b *= 2

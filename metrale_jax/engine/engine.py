@@ -19,6 +19,11 @@ compilation_cache_dir) makes a second start fast. The contract's separate `prefi
 Host API for the batching loop: `add(state, items) -> (state, first)` and
 `step(state, active) -> (state, out)`; both return small `StepOutput`s to copy
 asynchronously.
+
+Placement (`engine/placement.py`): before anything is allocated the engine chooses its mesh
+and memory plan (which may choose max_slots / max_len); params are placed sharded after the
+per-layer split, and every program declares its in/out shardings (`StepShardings`), so on
+one device or a pod slice the same calls run.
 """
 
 from __future__ import annotations
@@ -39,24 +44,14 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import steps
+from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.placement import Placement, StepShardings, place
 from metrale_jax.engine.sampling_state import SamplingState
-from metrale_jax.engine.sharding import make_mesh, named_sharding
-from metrale_jax.engine.state import (
-    SLOT_AXES,
-    DecodeState,
-    SlotSettings,
-    StepOutput,
-    settings_to_arrays,
-)
+from metrale_jax.engine.sharding import abstract_params, shard_params
+from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput, settings_to_arrays
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
-from metrale_jax.models.unrolled import (
-    LAYER_KEY_AXES,
-    LAYER_VALUE_AXES,
-    LayerCache,
-    LayerParams,
-    split_layers,
-)
+from metrale_jax.models.unrolled import LayerParams, split_layers
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +79,8 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _spec(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+def _spec(shape: tuple[int, ...], dtype, sharding=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
 
 class Engine:
@@ -93,85 +88,101 @@ class Engine:
 
     Args:
         model_config: the architecture.
-        graphdef, params: the split NNX `Transformer` (params are cast to `engine_config.dtype`
-            and split per layer once; `engine.params` is that `LayerParams`).
-        engine_config: slots, lengths, buckets, dtypes.
+        graphdef, params: the split NNX `Transformer` (stacked `[L, ...]` params, on one
+            device or already sharded, e.g. by a sharded orbax restore); they are cast to
+            `engine_config.dtype`, split per layer once and placed on the mesh
+            (`engine.params` is that `LayerParams`).
+        engine_config: slots, lengths, buckets, dtypes, mesh, memory (max_slots / max_len None
+            = chosen by the memory plan).
+        placement: a `Placement` already computed for this model and config (e.g. before
+            loading the weights, to restore them sharded); None = computed here.
     Attributes:
-        config, model_config, params; compile_count: programs compiled so far.
+        config (resolved), model_config, params, mesh, placement, memory_plan;
+        compile_count: programs compiled so far.
     """
 
     def __init__(self, model_config: ModelConfig, graphdef: nnx.GraphDef, params: LayerParams,
-                 engine_config: EngineConfig | None = None):
-        cfg = engine_config or EngineConfig()
+                 engine_config: EngineConfig | None = None, placement: Placement | None = None):
+        placement = placement or place(model_config, engine_config or EngineConfig())
+        cfg = placement.config
         self.config = cfg
+        self.placement = placement
+        self.memory_plan = placement.plan
         self.model_config = model_config
         enable_compilation_cache(cfg.compilation_cache_dir)
+        self.mesh = placement.make_mesh()
         dtype = jnp.dtype(cfg.dtype)
         self.cache_dtype = jnp.dtype(cfg.resolved_cache_dtype)
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
         # Per-layer params (models.unrolled): the stacked copy is dropped once split.
-        self.graph, self.params = split_layers(graphdef, params)
+        self.graph, layers = split_layers(graphdef, params)
         del params
-        self.mesh = make_mesh()
+        self.params = shard_params(layers, self.mesh)
+        del layers
         self.compile_count = 0
         self._compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         N, B = cfg.num_top_logprobs, cfg.max_slots
         self.vocab_size = model_config.vocab_size
         sc = steps.SampleConfig(N, cfg.logprobs_mode)
-        self.state_shardings = self._state_shardings()
+        sh = StepShardings(self.mesh, model_config, cfg)
+        self.shardings = sh
+        self.state_shardings = sh.state
+        self._all_allowed: Any = None  # `generate`'s default grammar bitmask, on the devices
+        # Out shardings are declared here; in shardings by the specs each program is lowered
+        # with (`_executable`: params and state carry theirs, host inputs are replicated).
+        ss, rep = sh.state, sh.replicated
         self._jit_init = jax.jit(
             functools.partial(steps.init_state, model_config, B, cfg.max_len, self.cache_dtype),
-            out_shardings=self.state_shardings)
+            out_shardings=ss)
         self._jit_prefill = jax.jit(
-            functools.partial(steps.prefill_step, self.graph, sc, self.cache_dtype))
-        self._jit_insert = jax.jit(steps.insert_step, donate_argnums=(1, 4))
+            functools.partial(steps.prefill_step, self.graph, sc, self.cache_dtype),
+            out_shardings=sh.prefix)
+        self._jit_insert = jax.jit(steps.insert_step, donate_argnums=(1, 4),
+                                   out_shardings=(ss, rep))
         self._jit_prefill_insert = jax.jit(
             functools.partial(steps.prefill_insert_step, self.graph, sc, self.cache_dtype),
-            donate_argnums=(1, 2))
+            donate_argnums=(1, 2), out_shardings=(ss, rep))
         self._jit_chunk = jax.jit(functools.partial(steps.chunk_step, self.graph, sc),
-                                  donate_argnums=(1, 2))
+                                  donate_argnums=(1, 2), out_shardings=(ss, rep))
         self._jit_generate = {
             n: jax.jit(functools.partial(steps.generate_step, self.graph, sc, cfg.decode_steps, n),
-                       donate_argnums=(1,))
+                       donate_argnums=(1,), out_shardings=(ss, rep))
             for n in cfg.active_slot_buckets}
-        self._state_spec = _abstract(jax.eval_shape(self._jit_init))
         self._state_spec = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            self._state_spec, self.state_shardings)
-        self._params_spec = _abstract(self.params)
-        self._first_spec = StepOutput(_spec((1, B), jnp.int32), _spec((1, B), jnp.float32),
-                                      _spec((1, B, N), jnp.int32), _spec((1, B, N), jnp.float32))
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+            jax.eval_shape(self._jit_init), ss)
+        self._params_spec = abstract_params(self.params, self.mesh)
+        self._first_spec = StepOutput(_spec((1, B), jnp.int32, rep),
+                                      _spec((1, B), jnp.float32, rep),
+                                      _spec((1, B, N), jnp.int32, rep),
+                                      _spec((1, B, N), jnp.float32, rep))
 
     # ---- compiled programs -------------------------------------------------------------
-    def _state_shardings(self) -> DecodeState:
-        slots = named_sharding(SLOT_AXES, self.mesh)
-        kt = named_sharding(LAYER_KEY_AXES, self.mesh)
-        v = named_sharding(LAYER_VALUE_AXES, self.mesh)
-        L = self.model_config.num_layers
-
-        def per_slot(a):  # every per-slot array: the slots axis, the rest replicated
-            return named_sharding((*SLOT_AXES,) + (None,) * (a.ndim - 1), self.mesh)
-
-        spec = jax.eval_shape(functools.partial(
-            steps.init_state, self.model_config, self.config.max_slots, 2, self.cache_dtype))
-        return DecodeState(
-            cache=LayerCache((kt,) * L, (v,) * L), positions=slots, tokens=slots, steps=slots,
-            sampling=jax.tree.map(per_slot, spec.sampling),
-            history=jax.tree.map(per_slot, spec.history))
-
     def _executable(self, key: tuple, fn, *specs):
         exe = self._compiled.get(key)
         if exe is not None:
             return exe
         t0 = time.perf_counter()
-        exe = fn.lower(*specs).compile()
+        exe = fn.lower(*self._placed(specs)).compile()
         with self._lock:
             if key not in self._compiled:
                 self._compiled[key] = exe
                 self.compile_count += 1
         log.info("compiled %s in %.2f s", key, time.perf_counter() - t0)
         return self._compiled[key]
+
+    def _placed(self, specs: tuple) -> tuple:
+        """`specs` with every leaf that has no sharding replicated: the input shardings a
+        program is compiled for (params and state carry theirs; host inputs are small and
+        every process passes the same values)."""
+        rep = self.shardings.replicated
+
+        def one(s):
+            if isinstance(s, jax.ShapeDtypeStruct) and s.sharding is not None:
+                return s
+            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep)
+        return jax.tree.map(one, specs)
 
     def _sampling_spec(self, rows: int) -> SamplingState:
         return _abstract(SamplingState.host_defaults(rows, self.vocab_size))
@@ -193,20 +204,28 @@ class Engine:
         return self._executable(("prefill_insert", P, Bp), self._jit_prefill_insert,
                                 self._params_spec, self._state_spec, self._first_spec,
                                 _spec((Bp, P), i32), _spec((Bp,), i32), self._sampling_spec(Bp),
-                                _spec((Bp,), i32), _spec((Bp,), i32))
+                                _spec((Bp,), i32), _spec((Bp,), i32), self._mask_spec(Bp))
 
     def _chunk_exe(self):
         P, i32 = self.config.max_prefill_len, jnp.int32
         scalar = _spec((), i32)
         return self._executable(("chunk", P), self._jit_chunk, self._params_spec,
                                 self._state_spec, self._first_spec, scalar, scalar,
-                                _spec((1, P), i32), scalar, scalar, self._sampling_spec(1))
+                                _spec((1, P), i32), scalar, scalar, self._sampling_spec(1),
+                                self._mask_spec(1))
 
     def _generate_exe(self, rows: int):
         B = self.config.max_slots
         return self._executable(("generate", self.config.decode_steps, rows),
                                 self._jit_generate[rows], self._params_spec, self._state_spec,
-                                _spec((B,), jnp.bool_))
+                                _spec((B,), jnp.bool_), self._mask_spec(B))
+
+    def _mask_spec(self, rows: int) -> jax.ShapeDtypeStruct:
+        return _spec((rows, words_for(self.vocab_size)), jnp.uint32)
+
+    def all_allowed(self, rows: int) -> np.ndarray:
+        """A `[rows, ceil(V/32)]` uint32 grammar bitmask that allows every token."""
+        return np.full((rows, words_for(self.vocab_size)), 0xFFFFFFFF, np.uint32)
 
     def _init_exe(self):
         return self._executable(("init",), self._jit_init)
@@ -242,7 +261,7 @@ class Engine:
 
     def empty_first(self) -> StepOutput:
         """A zero `StepOutput [1, B]` for `insert`/`prefill_chunk` to write first tokens into."""
-        return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)),
+        return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding),
                             self._first_spec)
 
     def prefill(self, params: LayerParams, tokens: np.ndarray, lengths: np.ndarray,
@@ -267,27 +286,37 @@ class Engine:
 
     def prefill_chunk(self, params: LayerParams, state: DecodeState, first: StepOutput, slot: int,
                       col: int, tokens: np.ndarray, start: int, length: int,
-                      sampling: SamplingState) -> tuple[DecodeState, StepOutput]:
-        """One `max_prefill_len` chunk of a long prompt into `slot` (see `steps.chunk_step`)."""
+                      sampling: SamplingState,
+                      allowed: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
+        """One `max_prefill_len` chunk of a long prompt into `slot` (see `steps.chunk_step`);
+        allowed: [1, ceil(V/32)] uint32, the first token's grammar bitmask (None = all)."""
         i32 = np.int32
+        allowed = self.all_allowed(1) if allowed is None else allowed
         return self._chunk_exe()(params, state, first, i32(slot), i32(col), tokens, i32(start),
-                                 i32(length), sampling)
+                                 i32(length), sampling, allowed)
 
     def generate(self, params: LayerParams, state: DecodeState,
-                 active: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
+                 active: np.ndarray | None = None,
+                 allowed: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
         """`decode_steps` decode steps; state donated. Out: StepOutput [k, B].
 
-        active: [B] bool, the slots holding a request (None = all). Only the smallest
-        active-slot bucket covering the highest active slot is computed, and attention reads
-        the cache up to the largest active position.
+        active: [B] bool, the slots that advance (None = all; a slot not active keeps its
+        state). Only the smallest active-slot bucket covering the highest active slot is
+        computed, and attention reads the cache up to the largest active position.
+        allowed: [B, ceil(V/32)] uint32 grammar bitmasks (None = every token allowed).
         """
         B = self.config.max_slots
         if active is None:
             active = np.ones(B, np.bool_)
         active = np.asarray(active, np.bool_)
+        if allowed is None:
+            if self._all_allowed is None:
+                self._all_allowed = jax.device_put(self.all_allowed(B),
+                                                   self.shardings.replicated)
+            allowed = self._all_allowed
         used = np.flatnonzero(active)
         rows = self.config.rows_for(int(used[-1]) + 1 if used.size else 1)
-        return self._generate_exe(rows)(params, state, active)
+        return self._generate_exe(rows)(params, state, active, allowed)
 
     # ---- host API ------------------------------------------------------------------------
     def check_prompt(self, n: int) -> None:
@@ -341,25 +370,33 @@ class Engine:
                     lengths[r], slots[r], cols[r] = len(ids), slot, i
                 sampling = settings_to_arrays([items[i][2] for i in group], Bp,
                                               self.vocab_size)
+                allowed = self.all_allowed(Bp)
+                for r, i in enumerate(group):
+                    if items[i][2].first_mask is not None:
+                        allowed[r] = items[i][2].first_mask
                 state, first = self._prefill_insert_exe(P, Bp)(
-                    self.params, state, first, tokens, lengths, sampling, slots, cols)
+                    self.params, state, first, tokens, lengths, sampling, slots, cols, allowed)
         P = cfg.max_prefill_len
         for i in long:
             slot, ids, settings = items[i]
             ids = np.asarray(ids, np.int32)
             sampling = settings_to_arrays([settings], 1, self.vocab_size)
+            allowed = self.all_allowed(1)
+            if settings.first_mask is not None:
+                allowed[0] = settings.first_mask
             for start in range(0, len(ids), P):
                 chunk = ids[start:start + P]
                 tokens = np.zeros((1, P), np.int32)
                 tokens[0, :len(chunk)] = chunk
                 state, first = self.prefill_chunk(self.params, state, first, slot, i, tokens,
-                                                  start, len(chunk), sampling)
+                                                  start, len(chunk), sampling, allowed)
         return state, first
 
-    def step(self, state: DecodeState,
-             active: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
+    def step(self, state: DecodeState, active: np.ndarray | None = None,
+             allowed: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
         """`generate` with the engine's params: state donated; StepOutput [k, B].
 
-        active: [B] bool, the slots holding a request (None = all); see `generate`.
+        active: [B] bool, the slots that advance (None = all); allowed: [B, ceil(V/32)]
+        uint32 grammar bitmasks (None = all tokens); see `generate`.
         """
-        return self.generate(self.params, state, active)
+        return self.generate(self.params, state, active, allowed)

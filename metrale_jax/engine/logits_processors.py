@@ -22,7 +22,8 @@ with a control off gets its logits back unchanged, so an idle control costs one 
    extends the longest current match (length l >= 2 at distance d).
 5. logit_bias: `l[id] += bias`.
 6. Masks (-inf): `banned`; `stop_ids` while fewer than `min_tokens` tokens are generated;
-   bad words (vLLM's): a sequence's last token when the generated tokens end with the rest.
+   bad words (vLLM's): a sequence's last token when the generated tokens end with the rest;
+   then the step's grammar bitmask (constrained decoding), data like everything else.
 7. top-nσ (llama.cpp's): keep `l >= max - n σ`, σ the population standard deviation of the
    finite logits.
 """
@@ -221,12 +222,18 @@ def masks_active(s: SamplingState, steps: jax.Array) -> jax.Array:
             | jnp.any(s.bad_word_lens > 0, axis=-1))
 
 
+def allowed_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Grammar masks: -inf where the bitmask `allowed: [R, ceil(V/32)]` uint32 has a 0 bit."""
+    return jnp.where(unpack(allowed, logits.shape[1]), logits, -jnp.inf)
+
+
 def process_logits(logits: jax.Array, s: SamplingState, h: TokenHistory, length: jax.Array,
-                   steps: jax.Array) -> jax.Array:
+                   steps: jax.Array, allowed: jax.Array | None = None) -> jax.Array:
     """All processors in order: `logits [R, V] float32 -> [R, V] float32`.
 
     h: the rows' `TokenHistory` with `length: [R]` valid positions; steps: [R] int32, the
-    tokens generated so far.
+    tokens generated so far; allowed: [R, ceil(V/32)] uint32 grammar bitmasks (all ones =
+    unconstrained), applied with the other masks.
     """
     logits = _when(s.repetition_penalty != 1.0, lambda x: repetition(x, s, h), logits)
     logits = _when((s.presence_penalty != 0) | (s.frequency_penalty != 0),
@@ -236,4 +243,7 @@ def process_logits(logits: jax.Array, s: SamplingState, h: TokenHistory, length:
     logits = _when(s.lz_penalty != 0, lambda x: lz_penalty(x, s, h, length), logits)
     logits = _when(jnp.any(s.bias_ids < logits.shape[1], axis=-1), lambda x: bias(x, s), logits)
     logits = _when(masks_active(s, steps), lambda x: masks(x, s, h, length, steps), logits)
+    if allowed is not None:
+        logits = _when(jnp.any(allowed != jnp.uint32(0xFFFFFFFF), axis=-1),
+                       lambda x: allowed_mask(x, allowed), logits)
     return _when(s.top_n_sigma > 0, lambda x: top_n_sigma(x, s), logits)

@@ -187,19 +187,20 @@ def kept_mask(x: jax.Array, sampling: SamplingState, steps: jax.Array | None = N
 
 def sample(logits: jax.Array, sampling: SamplingState, history: TokenHistory,
            length: jax.Array, steps: jax.Array, num_top: int,
-           logprobs_mode: str = "raw") -> SampleResult:
+           logprobs_mode: str = "raw", allowed: jax.Array | None = None) -> SampleResult:
     """Samples one token per row.
 
     logits: [R, V] float32 (the model's); history: the rows' `TokenHistory` with `length: [R]`
     valid positions (prompt + generated); steps: [R] int32, tokens generated so far (the step
-    index folded into each row's key). Returns the tokens, their log-probability and the top
+    index folded into each row's key); allowed: [R, ceil(V/32)] uint32 grammar bitmasks or
+    None. Returns the tokens, their log-probability and the top
     `num_top` tokens, of the raw or processed distribution (`logprobs_mode`).
     """
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
     processed_mode = logprobs_mode == "processed"
     R, V = logits.shape
-    proc = process_logits(logits, sampling, history, length, steps)
+    proc = process_logits(logits, sampling, history, length, steps, allowed)
     greedy = jnp.argmax(proc, axis=-1).astype(jnp.int32)
     t = sampling.temperature
     hot = t > 0

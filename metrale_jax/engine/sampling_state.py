@@ -141,9 +141,13 @@ class TokenHistory:
                    jnp.zeros((rows, vocab_size), jnp.int32),
                    jnp.zeros((rows, vocab_size), jnp.bool_))
 
-    def append(self, tokens: jax.Array, positions: jax.Array) -> TokenHistory:
+    def append(self, tokens: jax.Array, positions: jax.Array,
+               advance: jax.Array | None = None) -> TokenHistory:
         """Records generated `tokens: [R]` at `positions: [R]` (>= N: not stored, but
-        counted)."""
+        counted); rows with `advance: [R]` False are left as they are."""
         r = jnp.arange(tokens.shape[0])
+        if advance is not None:
+            positions = jnp.where(advance, positions, self.tokens.shape[1])  # dropped
+        add = 1 if advance is None else advance.astype(jnp.int32)
         return TokenHistory(self.tokens.at[r, positions].set(tokens, mode="drop"),
-                            self.counts.at[r, tokens].add(1, mode="drop"), self.prompt_seen)
+                            self.counts.at[r, tokens].add(add, mode="drop"), self.prompt_seen)

@@ -92,7 +92,8 @@ class SlotSettings:
     off), lz_penalty (0 = off); logit_bias: (token id, bias) pairs; banned_ids: never
     sampled; min_tokens with stop_ids: those ids are masked until min_tokens are generated;
     bad_words: token sequences of 2+ tokens whose last token is banned after the rest;
-    dry_breaker_ids: tokens that cut DRY's matches.
+    dry_breaker_ids: tokens that cut DRY's matches; first_mask: the first token's grammar
+    bitmask ([ceil(V/32)] uint32; None = unconstrained).
     """
 
     temperature: float = 0.0
@@ -118,6 +119,7 @@ class SlotSettings:
     logit_bias: tuple[tuple[int, float], ...] = ()
     banned_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    first_mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:

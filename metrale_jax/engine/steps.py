@@ -73,18 +73,19 @@ def init_state(cfg: ModelConfig, slots: int, length: int, cache_dtype: jnp.dtype
 
 def prefill_step(graph: LayerGraph, sc: SampleConfig, cache_dtype: jnp.dtype,
                  params: LayerParams, tokens: jax.Array, lengths: jax.Array,
-                 sampling: SamplingState) -> Prefix:
+                 sampling: SamplingState, allowed: jax.Array | None = None) -> Prefix:
     """Runs `Bp` prompts and samples each one's first token.
 
     tokens: [Bp, P] int32, prompt b in `tokens[b, :lengths[b]]` (padding after it is never
-    attended to by real tokens); lengths: [Bp] int32 in 1 .. P; sampling: [Bp] rows.
+    attended to by real tokens); lengths: [Bp] int32 in 1 .. P; sampling: [Bp] rows;
+    allowed: [Bp, ceil(V/32)] uint32 grammar bitmasks of the first tokens (None = all).
     """
     Bp, P = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (Bp, P))
     logits, kv = forward_layers(graph, params, tokens, positions, None, lengths - 1)
     history = TokenHistory.of_prompts(tokens, lengths, logits.shape[-1])
     res = sample(logits, sampling, history, lengths, jnp.zeros((Bp,), jnp.int32), sc.num_top,
-                 sc.logprobs_mode)
+                 sc.logprobs_mode, allowed)
     kv = KVCache(kv.k.astype(cache_dtype), kv.v.astype(cache_dtype))
     return Prefix(kv, lengths, _as_output(res), sampling, history)
 
@@ -119,20 +120,21 @@ def insert_step(prefix: Prefix, state: DecodeState, slots: jax.Array, cols: jax.
 def prefill_insert_step(graph: LayerGraph, sc: SampleConfig, cache_dtype: jnp.dtype,
                         params: LayerParams, state: DecodeState, first: StepOutput,
                         tokens: jax.Array, lengths: jax.Array, sampling: SamplingState,
-                        slots: jax.Array, cols: jax.Array) -> tuple[DecodeState, StepOutput]:
+                        slots: jax.Array, cols: jax.Array,
+                        allowed: jax.Array) -> tuple[DecodeState, StepOutput]:
     """`prefill_step` then `insert_step` in one program (state and first donated).
 
     The batching loop's path: one compiled program per (bucket, prefill batch) instead of
     two, which halves warmup, and the prefix never leaves the program.
     """
-    prefix = prefill_step(graph, sc, cache_dtype, params, tokens, lengths, sampling)
+    prefix = prefill_step(graph, sc, cache_dtype, params, tokens, lengths, sampling, allowed)
     return insert_step(prefix, state, slots, cols, first)
 
 
 def chunk_step(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state: DecodeState,
                first: StepOutput, slot: jax.Array, col: jax.Array, tokens: jax.Array,
-               start: jax.Array, length: jax.Array,
-               sampling: SamplingState) -> tuple[DecodeState, StepOutput]:
+               start: jax.Array, length: jax.Array, sampling: SamplingState,
+               allowed: jax.Array) -> tuple[DecodeState, StepOutput]:
     """One chunk of a long prompt, prefilled straight into slot `slot`'s cache.
 
     tokens: [1, P] int32 at positions `start .. start + P - 1`, of which the first
@@ -158,7 +160,7 @@ def chunk_step(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state: 
                            h.counts.at[rows].set(0), h.prompt_seen.at[rows].set(seen[None]))
     row = TokenHistory(history.tokens[rows], history.counts[rows], seen[None])
     res = sample(logits, sampling, row, (start + length)[None], jnp.zeros((1,), jnp.int32),
-                 sc.num_top, sc.logprobs_mode)
+                 sc.num_top, sc.logprobs_mode, allowed)
     put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=slot, axis=0)
     kt = tuple(put(c, sub.k[i].swapaxes(-1, -2).astype(c.dtype))
                for i, c in enumerate(state.cache.kt))
@@ -175,15 +177,18 @@ def chunk_step(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state: 
 
 
 def generate_step(graph: LayerGraph, sc: SampleConfig, decode_steps: int, rows: int,
-                  params: LayerParams, state: DecodeState,
-                  active: jax.Array) -> tuple[DecodeState, StepOutput]:
+                  params: LayerParams, state: DecodeState, active: jax.Array,
+                  allowed: jax.Array) -> tuple[DecodeState, StepOutput]:
     """`decode_steps` decode steps for the first `rows` slots; state donated.
 
     Only slots `0 .. rows-1` are computed (`rows` is static: one program per active-slot
     bucket, so one request in a 16-slot engine costs one row, not sixteen); active: [B] bool
-    marks the slots holding a request, and attention reads the cache only as far as the
-    largest active position. Each step feeds `tokens` at `positions`, writes their keys and
-    values into the cache and the tokens into the history, samples the next token with key
+    marks the slots that advance (holding a request and not held back: a held slot keeps its
+    position, token, step and history, so it repeats the step later), and attention reads the
+    cache only as far as the largest active position; allowed: [B, ceil(V/32)] uint32 grammar
+    bitmasks (all ones = unconstrained). Each step feeds `tokens` at `positions`, writes
+    their keys and values into the cache and the tokens into the history, samples the next
+    token with key
     `fold_in(keys[b], steps[b])`, and advances positions (capped at S) and steps. Returns the
     new state and StepOutput `[k, B]` (rows past `rows` are zeros).
     """
@@ -192,14 +197,18 @@ def generate_step(graph: LayerGraph, sc: SampleConfig, decode_steps: int, rows: 
     head = functools.partial(jax.tree.map, lambda a: a[:rows])
     sampling = head(state.sampling)
     live = active[:rows]
+    allowed = allowed[:rows]
 
     def one(carry):
         cache, positions, tokens, steps_, history = carry
-        history = history.append(tokens, positions)
+        history = history.append(tokens, positions, live)
         logits, cache = decode_layers(graph, params, tokens, positions, cache, live)
         res = sample(logits, sampling, history, positions + 1, steps_, sc.num_top,
-                     sc.logprobs_mode)
-        return (cache, jnp.minimum(positions + 1, S), res.tokens, steps_ + 1, history), res
+                     sc.logprobs_mode, allowed)
+        # A held row writes the same key/value at the same position again later: harmless.
+        return (cache, jnp.where(live, jnp.minimum(positions + 1, S), positions),
+                jnp.where(live, res.tokens, tokens), jnp.where(live, steps_ + 1, steps_),
+                history), res
 
     carry = (state.cache, state.positions[:rows], state.tokens[:rows], state.steps[:rows],
              head(state.history))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from metrale_jax.engine.sampling_state import MAX_LOGIT_BIAS
 from metrale_jax.errors import InvalidParameterError
@@ -57,6 +58,10 @@ class SamplingParams:
         repetition_detection: None (off), or a `RepetitionDetection`; True or a dict with
             max_period / min_repeats are accepted. Ends the request with finish_reason "stop"
             and stop_reason "repetition".
+        constraint: None, or a `scheduler.constraints.Constraint` (JSON schema, regex,
+            choice, grammar): every token is drawn from what the grammar allows.
+        thinking_budget: None, or a `scheduler.thinking.ThinkingBudgetSpec`: once the
+            thinking reaches its budget of tokens, the end-of-thinking tokens are forced.
     """
 
     max_tokens: int | None = 16
@@ -88,6 +93,8 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
     repetition_detection: RepetitionDetection | None = None
+    constraint: Any = None
+    thinking_budget: Any = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidParameterError:

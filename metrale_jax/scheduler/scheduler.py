@@ -29,6 +29,7 @@ import numpy as np
 from metrale_jax.engine.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from metrale_jax.errors import BusyError, ContextLengthError, InvalidParameterError
 from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
+from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.token_sets import bad_word_ids
@@ -84,6 +85,7 @@ class Scheduler:
         # read by `snapshot` (a dict item assignment is atomic).
         self._admitted_at: dict[int, tuple[str, float]] = {}
         self.stats = collections.Counter()
+        self.grammar = GrammarSlots(tokenizer, engine.model_config.vocab_size, self.num_slots)
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
@@ -119,6 +121,8 @@ class Scheduler:
                 raise InvalidParameterError(
                     f"bad_words: at most {MAX_BAD_WORDS} multi-token sequences of at most "
                     f"{MAX_BAD_WORD_TOKENS} tokens each", param="bad_words")
+        if request.params.constraint is not None:
+            self.grammar.validate(request.params.constraint, self.engine.config.decode_steps)
         wanted = request.params.max_tokens or 1
         if n + wanted > self.max_len:
             raise ContextLengthError(
@@ -156,6 +160,18 @@ class Scheduler:
             self._running = False
             self._wake.notify()
         self._thread.join(timeout)
+
+    def abort(self, error: BaseException) -> None:
+        """Fails every in-flight and waiting request with `error` and refuses new ones.
+
+        Safe from any thread even while the loop thread is stuck (a multi-host peer died
+        inside a collective: scheduler/multihost.py); a loop that still runs ends at its next
+        iteration. Events after a request's `Failed` are ignored by its handle.
+        """
+        with self._lock:
+            self._running = False
+            self._wake.notify()
+        self._fail_all(error)
 
     def snapshot(self) -> dict[str, Any]:
         """Slot occupancy and queue length, for metrics and dashboards (any thread).
@@ -211,7 +227,12 @@ class Scheduler:
                 if launched is not None:
                     pending.append(launched)
                 if any(self._slots):
-                    pending.append(self._launch_step())
+                    if self.grammar.must_drain(self._slots):  # nothing to overlap with
+                        while pending:
+                            self._consume(pending.popleft())
+                    step = self._launch_step() if any(self._slots) else None
+                    if step is not None:
+                        pending.append(step)
                 # Read outputs one step late: keep the newest in flight while work remains.
                 keep = 1 if any(self._slots) else 0
                 while len(pending) > keep:
@@ -264,7 +285,11 @@ class Scheduler:
             seed = seq.request.params.seed
             if seed is None:
                 seed = random.getrandbits(31)
-            items.append((slot, list(seq.request.prompt_ids), seq.slot_settings(seed)))
+            first_mask = None
+            if seq.request.params.constraint is not None:
+                seq.matcher, first_mask = self.grammar.start(seq.request.params.constraint)
+            items.append((slot, list(seq.request.prompt_ids), seq.slot_settings(seed,
+                                                                                first_mask)))
         try:
             self.state, first = self.engine.add(self.state, items)
         except Exception as e:
@@ -275,16 +300,22 @@ class Scheduler:
         for slot, seq in admitted:
             self._slots[slot] = seq
             self._admitted_at[slot] = (seq.request.request_id, now)
+            self.grammar.freed(slot)
+        self.grammar.launched(np.array([slot for slot, _ in admitted]))
         self.stats["admitted"] += len(admitted)
         _start_copy(first)
         return _Pending(first, {slot: seq for slot, seq in admitted}, first=True)
 
-    def _launch_step(self) -> _Pending:
-        active = np.array([s is not None for s in self._slots], np.bool_)
-        self.state, out = self.engine.step(self.state, active)
+    def _launch_step(self) -> _Pending | None:
+        """Launches one decode step for the slots that can advance (None: none can)."""
+        active, allowed = self.grammar.step_inputs(self._slots)
+        if not active.any():
+            return None
+        self.state, out = self.engine.step(self.state, active, allowed)
         _start_copy(out)
         self.stats["steps"] += 1
-        return _Pending(out, {i: s for i, s in enumerate(self._slots) if s is not None},
+        self.grammar.launched(np.flatnonzero(active))
+        return _Pending(out, {i: s for i, s in enumerate(self._slots) if active[i]},
                         first=False)
 
     def _consume(self, pending: _Pending) -> None:
@@ -296,6 +327,7 @@ class Scheduler:
         for i, (slot, seq) in enumerate(pending.owners.items()):
             if self._slots[slot] is not seq or seq.finished:
                 continue
+            self.grammar.consumed(slot)
             col = i if pending.first else slot  # prefill output: column i is item i
             for k in range(tokens.shape[0]):
                 seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from metrale_jax.scheduler.events import Finished, Token, TokenLogprob
+from metrale_jax.scheduler.events import Failed, Finished, Token, TokenLogprob
 from metrale_jax.scheduler.repetition import RepetitionDetector
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.stop_checker import StopChecker
+from metrale_jax.scheduler.thinking import ThinkingBudget
 from metrale_jax.scheduler.token_sets import bad_word_ids, breaker_ids
 
 
@@ -37,12 +38,16 @@ class Sequence:
         self.eos_ids = tuple(eos_token_ids)
         self.repetition = (RepetitionDetector(p.repetition_detection)
                            if p.repetition_detection is not None else None)
+        self.matcher = None  # the llguidance matcher of a constrained request (GrammarSlots)
+        self.thinking = (ThinkingBudget(p.thinking_budget) if p.thinking_budget is not None
+                         else None)
         self.num_generated = 0
         self.token_ids: list[int] = []
         self.finished = False
 
-    def slot_settings(self, seed: int):
-        """The engine's per-slot settings for this request (strings resolved to token ids)."""
+    def slot_settings(self, seed: int, first_mask: np.ndarray | None = None):
+        """The engine's per-slot settings for this request (strings resolved to token ids;
+        first_mask: the first token's grammar bitmask, for a constrained request)."""
         from metrale_jax.engine import SlotSettings
         p = self.request.params
         banned, words = bad_word_ids(self.tokenizer, p.bad_words) if p.bad_words else ((), ())
@@ -60,13 +65,23 @@ class Sequence:
             dry_allowed_length=int(p.dry_allowed_length),
             dry_penalty_last_n=int(p.dry_penalty_last_n), dry_breaker_ids=breakers,
             lz_penalty=float(p.lz_penalty), min_tokens=int(p.min_tokens), stop_ids=stop_ids,
-            logit_bias=tuple(p.logit_bias), banned_ids=banned, bad_words=words)
+            logit_bias=tuple(p.logit_bias), banned_ids=banned, bad_words=words,
+            first_mask=first_mask)
 
     def add_token(self, token_id: int, logprob: float, top_ids: np.ndarray,
                   top_logprobs: np.ndarray) -> None:
         """Handles one sampled token: posts its `Token` event and, at a stop, `Finished`."""
         if self.finished:
             return
+        if self.thinking is not None:
+            self.thinking.observe(token_id)
+        if self.matcher is not None:
+            try:
+                self.matcher.consume(token_id)
+            except Exception as e:  # the device sampled a token the grammar forbids
+                self.finished = True
+                self.handle.post(Failed(e))
+                return
         self.num_generated += 1
         self.token_ids.append(token_id)
         p = self.request.params
@@ -90,6 +105,8 @@ class Sequence:
             self._finish("stop", "repetition")
         elif self.num_generated >= self.limit:
             self._finish("length", None)
+        elif self.matcher is not None and self.matcher.is_stopped():
+            self._finish("stop", None)  # the grammar is complete: only eos could follow
 
     def _emit(self, ids: tuple[int, ...], text: str, lp: tuple[TokenLogprob, ...]) -> None:
         self.handle.post(Token(ids, text, lp))

@@ -3,6 +3,12 @@
 `load_checkpoint("default")` is the default model (SmolLM2-135M-Instruct, GGUF, fetched into
 `checkpoints/` by `metrale pull`); any other string is a path to a Hugging Face folder, a
 `.gguf` file or a Metrale orbax checkpoint (a folder with `metrale.json`).
+
+Placement hook: `load_checkpoint(..., shardings=fn)` calls `fn(config, dtype)` once the model's
+config is read and before any weight is. The engine passes its placement there (mesh and
+memory plan, `metrale_jax.engine.placement.PlacementHook`), so an impossible configuration is
+refused before anything is allocated, and an orbax checkpoint restores straight into sharded
+arrays. This package imports nothing from the engine: the hook is just a callable.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +30,13 @@ from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, default_model_
 log = logging.getLogger(__name__)
 
 Format = Literal["hf", "gguf", "orbax"]
+
+ShardingsHook = Callable[[ModelConfig, str], Any]
+"""`hook(config, dtype) -> shardings or None`: called with the model's config and the params
+dtype name before any weight is read. For an orbax checkpoint its result (see
+`orbax_store.Shardings`: a function of the params' pure dict of `ShapeDtypeStruct`s, or a
+pytree of shardings) says where each param is restored; the other formats load on the default
+device (the engine places them) and ignore it. It may raise to refuse the model."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +96,13 @@ def resolve(model: str | Path) -> tuple[Path, Format]:
                              f"not the name {DEFAULT_MODEL_NAME!r}")
 
 
-def load_checkpoint(model: str | Path, dtype: str | None = None) -> Checkpoint:
+def load_checkpoint(model: str | Path, dtype: str | None = None, *,
+                    shardings: ShardingsHook | None = None) -> Checkpoint:
     """Loads a model by name or path.
 
     `dtype` ("float32" | "bfloat16") is the params dtype; None keeps an orbax checkpoint's
-    stored dtype and means float32 for the other formats.
+    stored dtype and means float32 for the other formats. `shardings`: the placement hook
+    (see `ShardingsHook`), called before any weight is read.
     """
     from metrale_jax.config import check_dtype
     if dtype is not None:
@@ -94,9 +110,14 @@ def load_checkpoint(model: str | Path, dtype: str | None = None) -> Checkpoint:
     path, fmt = resolve(model)
     start = time.perf_counter()
     if fmt == "orbax":
-        from metrale_jax.weights.orbax_store import load_orbax
-        ckpt = load_orbax(path, dtype)
-        log.info("loaded %s (orbax) in %.1fs", path, time.perf_counter() - start)
+        from metrale_jax.weights.orbax_store import load_orbax, read_metadata
+        placed = None
+        if shardings is not None:
+            meta = read_metadata(path)
+            placed = shardings(ModelConfig.from_dict(meta["config"]), dtype or meta["dtype"])
+        ckpt = load_orbax(path, dtype, shardings=placed)
+        log.info("loaded %s (orbax%s) in %.1fs", path, ", sharded" if placed else "",
+                 time.perf_counter() - start)
         return ckpt
     from metrale_jax.weights.assemble import assemble_params
     dtype = dtype or "float32"
@@ -105,6 +126,8 @@ def load_checkpoint(model: str | Path, dtype: str | None = None) -> Checkpoint:
         from metrale_jax.text import tokenizer_from_gguf_metadata
         from metrale_jax.weights.gguf_reader import read_gguf
         config, tensors, meta = read_gguf(path)
+        if shardings is not None:
+            shardings(config, dtype)
         tokenizer = tokenizer_from_gguf_metadata(meta)
         template = meta.get("tokenizer.chat_template")
         generation: dict[str, Any] = {"eos_token_id": list(config.eos_token_ids)}
@@ -114,6 +137,8 @@ def load_checkpoint(model: str | Path, dtype: str | None = None) -> Checkpoint:
         from metrale_jax.weights.hf_config import read_generation_config, read_hf_config
         from metrale_jax.weights.safetensors_reader import read_safetensors
         config = read_hf_config(path)
+        if shardings is not None:
+            shardings(config, dtype)
         tensors = read_safetensors(path)
         tokenizer = load_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)

@@ -53,3 +53,22 @@ def test_chat_answers_in_words(pair):
                    SamplingParams(max_tokens=32, temperature=0.0))
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
+
+
+def test_default_model_json_schema_output_is_valid(pair):
+    """The real model under a JSON schema: its answer parses and validates."""
+    import json
+
+    import jsonschema
+
+    from metrale_jax.scheduler.constraints import Constraint
+    llm, _ = pair
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string"}, "country": {"type": "string"},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 1000}},
+        "required": ["city", "country", "population_millions"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=60, temperature=0,
+                            constraint=Constraint.from_schema(schema, name="city"))
+    out = llm.chat([{"role": "user", "content": "Describe Paris as JSON."}], params)
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), schema)

@@ -175,9 +175,9 @@ def test_full_queue_is_busy_and_stop_ends_every_stream(tiny_llm):
     gate = threading.Event()
     real_step = engine.step
 
-    def slow_step(state, active=None):
+    def slow_step(state, active=None, allowed=None):
         gate.wait(10)
-        return real_step(state, active)
+        return real_step(state, active, allowed)
 
     sched.engine = type("Slow", (), {})()  # a view of the engine whose step waits for us
     for name in ("config", "model_config", "add", "init_decode_state", "warmup"):
@@ -200,11 +200,11 @@ def test_loop_survives_an_engine_error(tiny_llm):
     real = engine.step
     calls = {"n": 0}
 
-    def broken(state, active=None):
+    def broken(state, active=None, allowed=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return real(state, active)
+        return real(state, active, allowed)
 
     engine.step = broken
     try:

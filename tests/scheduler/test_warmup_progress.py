@@ -12,6 +12,7 @@ class Engine:
     """Just what the loop touches before its first request."""
 
     config = SimpleNamespace(max_slots=2, max_len=16)
+    model_config = SimpleNamespace(vocab_size=64)
 
     def __init__(self):
         self.calls = []

@@ -215,3 +215,28 @@ def get_json(url: str, path: str) -> Any:
     """GET `path` as JSON (fails the test on an error status)."""
     with urllib.request.urlopen(url + path, timeout=60) as r:
         return json.loads(r.read())
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """`metrale ARGS` in this process (fast, for exit codes): (code, stdout, stderr)."""
+    from serving.cli import main
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's usage errors and --help
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 whose vocabulary has `<think>`, `</think>`, `<tool_call>` and
+    `</tool_call>` and whose template is Hermes-style (tests/hf_models.py)."""
+    from tests.hf_models import build_tool_checkpoint
+    return build_tool_checkpoint(tmp_path_factory.mktemp("tiny-tools"))
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer(tool_model):
+    from metrale_jax.text import load_tokenizer
+    return load_tokenizer(tool_model)

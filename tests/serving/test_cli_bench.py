@@ -23,7 +23,7 @@ from serving.bench_load import (
     summarize,
 )
 from serving.http_client import Client
-from tests.serving.conftest import MODEL, ROOT
+from tests.serving.conftest import MODEL, ROOT, run_main
 
 
 def bench(*args: str, script: str | None = None) -> subprocess.CompletedProcess:
@@ -116,14 +116,14 @@ def test_every_request_failing_is_a_runtime_failure(base_url):
     (["--requests", "0"], "--requests"),
     (["--url", "http://[::1"], "--url"),
 ])
-def test_bad_usage(args, needle):
-    r = bench(*args)
-    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+def test_bad_usage(args, needle, capsys):
+    code, _, err = run_main(capsys, "bench", *args)
+    assert code == 2 and needle in err and "Traceback" not in err
 
 
-def test_unreachable_server():
-    r = bench("--url", "http://127.0.0.1:9", "--requests", "1")
-    assert r.returncode == 1 and "cannot reach http://127.0.0.1:9" in r.stderr
+def test_unreachable_server(capsys):
+    code, _, err = run_main(capsys, "bench", "--url", "http://127.0.0.1:9", "--requests", "1")
+    assert code == 1 and "cannot reach http://127.0.0.1:9" in err
 
 
 def test_bench_serve_py_is_the_same_command(base_url):

@@ -18,7 +18,7 @@ import pytest
 
 from serving.cli_chat import ChatSession, run_session
 from serving.http_client import APIError
-from tests.serving.conftest import MODEL, ROOT
+from tests.serving.conftest import MODEL, ROOT, run_main
 
 
 class Scripted:
@@ -243,7 +243,7 @@ def test_chat_in_process_with_progress(tiny_model):
     (["--url", "http://127.0.0.1:9"], 1, "cannot reach http://127.0.0.1:9"),
     (["--url", "127.0.0.1:9"], 2, "give http://HOST:PORT"),
 ])
-def test_exit_codes(args, code, needle):
-    r = chat(*args)
-    assert r.returncode == code and needle in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+def test_exit_codes(args, code, needle, capsys):
+    got, _, err = run_main(capsys, "chat", *args)
+    assert got == code and needle in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from serving.cli_models import human_bytes, human_count
-from tests.serving.conftest import ROOT
+from tests.serving.conftest import ROOT, run_main
 from tests.weights.test_catalog import write_small_gguf
 
 
@@ -40,13 +40,13 @@ def test_json_and_dir(tmp_path):
     assert entry["path"] == str(tmp_path / "small.gguf") and entry["format"] == "gguf"
 
 
-def test_empty_folder_and_bad_dir(tmp_path):
-    empty = models(env={"METRALE_CHECKPOINTS": str(tmp_path)})
-    assert empty.returncode == 0 and empty.stdout == ""
-    assert "no checkpoints in" in empty.stderr and "metrale pull" in empty.stderr
-    bad = models("--dir", str(tmp_path / "nope"))
-    assert bad.returncode == 2 and "no such folder" in bad.stderr
-    assert "Traceback" not in bad.stderr
+def test_empty_folder_and_bad_dir(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("METRALE_CHECKPOINTS", str(tmp_path))
+    code, out, err = run_main(capsys, "models")
+    assert code == 0 and out == ""
+    assert "no checkpoints in" in err and "metrale pull" in err
+    code, _, err = run_main(capsys, "models", "--dir", str(tmp_path / "nope"))
+    assert code == 2 and "no such folder" in err and "Traceback" not in err
 
 
 def test_human_units():

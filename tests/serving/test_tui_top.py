@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from serving.http_client import Client
 from serving.top_data import Sample, TopModel, parse_metrics
-from tests.serving.conftest import MODEL, ROOT, OpenStream, paused_decode
+from tests.serving.conftest import MODEL, ROOT, OpenStream, paused_decode, run_main
 
 BODY = {"model": MODEL, "prompt": "jumps over the lazy dog", "max_tokens": 12,
         "temperature": 0, "ignore_eos": True}
@@ -99,12 +101,12 @@ def test_top_once_prints_a_snapshot(base_url):
     assert "slots 0/8" in r.stdout
 
 
-def test_top_exit_codes(base_url):
-    refused = _top("--url", "http://127.0.0.1:9")
-    assert refused.returncode == 1 and "cannot reach http://127.0.0.1:9" in refused.stderr
-    bad = _top("--url", "localhost:8000")
-    assert bad.returncode == 2 and "give http://HOST:PORT" in bad.stderr
-    interval = _top("--url", base_url, "--interval", "0")
-    assert interval.returncode == 2 and "--interval" in interval.stderr
-    for r in (refused, bad, interval):
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+@pytest.mark.parametrize("args, code, needle", [
+    (["--url", "http://127.0.0.1:9"], 1, "cannot reach http://127.0.0.1:9"),
+    (["--url", "localhost:8000"], 2, "give http://HOST:PORT"),
+    (["--interval", "0"], 2, "--interval"),
+])
+def test_top_exit_codes(args, code, needle, capsys):
+    got, _, err = run_main(capsys, "top", *args)
+    assert got == code and needle in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

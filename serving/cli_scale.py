@@ -1,0 +1,97 @@
+"""The scale-out flags of `metrale serve` and `metrale generate`: the mesh, the memory plan and
+the processes of a multi-host run (`jax.distributed`).
+
+    --mesh data=2,model=4      the device mesh (default: chosen for the model and the devices)
+    --memory-gb 15             memory per device for the plan (CPU reports none)
+    --max-slots 0 / --max-len 0   0 = as many / as long as fit (the memory plan)
+    --coordinator HOST:PORT --num-processes N --process-id I   one process of N
+
+On a Cloud TPU VM of several hosts the process layout comes from the TPU environment
+(`jax.distributed.initialize()` with no arguments): the flags are for machines without one
+(GPU hosts). `init_distributed` must run before anything else touches JAX's backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from metrale_jax.errors import MetraleError
+
+log = logging.getLogger("metrale")
+
+HEARTBEAT_TIMEOUT_S = 30  # jax's own dead-process detection (ours is the side channel: faster)
+
+
+def add_scale_flags(parser: argparse.ArgumentParser, processes: bool = True) -> None:
+    """Adds --mesh and --memory-gb (and, with `processes`, the multi-host flags)."""
+    parser.add_argument("--mesh", default=None,
+                        help="the device mesh, e.g. data=2,model=4 (slots over data, heads and "
+                             "MLP over model; default: chosen for the model and devices)")
+    parser.add_argument("--memory-gb", type=float, default=None,
+                        help="GiB of memory per device for the memory plan (default: what "
+                             "the devices report; CPU reports none)")
+    if not processes:
+        return
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="multi-host: process 0's address for jax.distributed (process 0 "
+                             "also listens on PORT+1 for the engine calls it broadcasts)")
+    parser.add_argument("--num-processes", type=int, default=None,
+                        help="multi-host: the number of processes")
+    parser.add_argument("--process-id", type=int, default=None,
+                        help="multi-host: this process's index (0 serves HTTP)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the flags set."""
+    options: dict[str, Any] = {}
+    if args.mesh is not None:
+        options["mesh"] = args.mesh
+    if args.memory_gb is not None:
+        options["memory_gb"] = args.memory_gb
+    return options
+
+
+def shape_flag(value: int | None) -> int | None:
+    """--max-slots / --max-len: 0 means "choose" (None)."""
+    return None if value == 0 else value
+
+
+def _tpu_multihost_env() -> bool:
+    """True on a Cloud TPU VM that is one host of several (its environment lists them)."""
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return len([h for h in hosts.split(",") if h.strip()]) > 1
+
+
+def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
+    """Starts jax.distributed when the flags or the TPU environment ask for it; returns
+    (process id, number of processes), (0, 1) for a single process.
+
+    Explicit flags need all three of --coordinator, --num-processes and --process-id. On CPU,
+    the collectives between processes go through gloo.
+    """
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if all(v is None for v in given) and not _tpu_multihost_env():
+        return 0, 1
+    import jax
+    if any(v is None for v in given) and not all(v is None for v in given):
+        raise MetraleError("multi-host: give all of --coordinator HOST:PORT, --num-processes "
+                           "N and --process-id I (or none, on a Cloud TPU VM)")
+    if args.num_processes is not None:
+        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+            raise MetraleError(f"--process-id must be in [0, {args.num_processes}) and "
+                               "--num-processes at least 1")
+        if ":" not in args.coordinator:
+            raise MetraleError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
+    if not jax.config.jax_cpu_collectives_implementation:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = {} if args.coordinator is None else dict(
+        coordinator_address=args.coordinator, num_processes=args.num_processes,
+        process_id=args.process_id)
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+    pid, n = jax.process_index(), jax.process_count()
+    log.info("process %d of %d: %d local of %d devices", pid, n, jax.local_device_count(),
+             jax.device_count())
+    return pid, n

@@ -1,0 +1,232 @@
+"""Multi-host serving: two `metrale serve` processes on loopback, one (1, 8) mesh across both.
+
+Each process has 4 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4),
+jax.distributed over a loopback coordinator, CPU collectives through gloo. The model is a
+tiny random Llama with 8 heads and 4 kv heads, so the mesh really splits heads over all 8
+devices (kv heads replicated). Checked: a request to process 0 gives the tokens of a
+single-process run; process 1 answers only /health; a process that dies makes the other fail
+its in-flight request with a clear error and exit non-zero (`EXIT_PEER_LOST`) within a
+timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from tests.conftest import CACHE, REPO
+from tests.serving.conftest import post
+
+SHAPES = ["--max-slots", "2", "--max-len", "256", "--max-prefill-len", "16"]
+PROMPT = "The quick brown fox"
+EXIT_TIMEOUT_S = 90  # a process with a lost peer must be gone within this
+EXIT_PEER_LOST = 3  # metrale_jax.scheduler.multihost.EXIT_PEER_LOST
+
+
+def _build_model(folder: Path) -> Path:
+    """A tiny HF Llama with 8 query heads and 4 kv heads (2 layers) and the tiny tokenizer."""
+    import torch
+    import transformers
+
+    from tests.hf_models import COMMON, save_tiny_tokenizer
+    config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 8,
+                                         "num_key_value_heads": 4, "head_dim": 16,
+                                         "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = p.ndim == 1 and "norm" in name
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if norm else 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return _build_model(tmp_path_factory.mktemp("tiny-h8"))
+
+
+def _free_port_pair() -> int:
+    """A loopback port P with P + 1 free as well (the coordinator and the side channel)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+class Pair:
+    """Two `metrale serve` processes of one server; `urls[i]` once both printed theirs."""
+
+    def __init__(self, model: Path, tmp_path: Path):
+        port = _free_port_pair()
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+               "METRALE_JAX_CACHE": str(CACHE)}
+        self.procs: list[subprocess.Popen] = []
+        self.logs = [tmp_path / f"process{i}.log" for i in range(2)]
+        for i in range(2):
+            cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", str(model),
+                   "--port", "0", *SHAPES, "--mesh", "data=1,model=8",
+                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                   "--process-id", str(i), "--request-timeout", "300"]
+            self.procs.append(subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
+                stderr=self.logs[i].open("w")))
+        self.urls = [self._url(i) for i in range(2)]
+
+    def _url(self, i: int) -> str:
+        """The URL process i prints once ready (gloo prints its own lines on stdout too)."""
+        for line in self.procs[i].stdout:  # blocks until ready (or the process ends)
+            match = re.search(r"at (http://[0-9.:]+)", line)
+            if match is not None:
+                return match.group(1)
+        self.kill()
+        pytest.fail(f"process {i} printed no URL:\n{self.stderr(i)[-3000:]}")
+
+    def stderr(self, i: int) -> str:
+        return self.logs[i].read_text()
+
+    def wait(self, i: int) -> int:
+        """Process i's exit status; fails the test if it is still running after the timeout."""
+        try:
+            return self.procs[i].wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"process {i} still runs {EXIT_TIMEOUT_S} s after its peer died:\n"
+                        f"{self.stderr(i)[-3000:]}")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict:
+    """The single-process greedy run (one device, the same engine shapes)."""
+    from metrale_jax import LLM, SamplingParams
+    llm = LLM(str(model), max_slots=2, max_len=256, max_prefill_len=16,
+              compilation_cache_dir=str(CACHE))
+    try:
+        ids = llm.tokenizer.encode(PROMPT)
+        out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0,
+                                                 ignore_eos=True))[0]
+    finally:
+        llm.close()
+    return {"prompt_ids": ids, "token_ids": list(out.token_ids)}
+
+
+def _completion(url: str, model: Path, **fields) -> tuple[int, dict]:
+    status, _, body = post(url, "/v1/completions", {
+        "model": str(model), "prompt": PROMPT, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, **fields})
+    return status, body
+
+
+def _status(url: str, path: str) -> int:
+    try:
+        with urllib.request.urlopen(url + path, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+class _Stream:
+    """A streaming completion whose first chunk has arrived."""
+
+    def __init__(self, url: str, body: dict):
+        u = urlparse(url)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=EXIT_TIMEOUT_S)
+        self.conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                          {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200, self.resp.read()
+        self.events = [self._next()]
+
+    def _next(self):
+        for raw in self.resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                return payload if payload == "[DONE]" else json.loads(payload)
+        return None
+
+    def rest(self) -> list:
+        """Every event after the first (the connection may also just close)."""
+        try:
+            while (event := self._next()) is not None:
+                self.events.append(event)
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            self.conn.close()
+        return self.events
+
+
+@pytest.mark.slow
+def test_two_processes_serve_like_one_and_fail_cleanly_when_one_dies(model, reference,
+                                                                     tmp_path):
+    pair = Pair(model, tmp_path)
+    try:
+        leader, follower = pair.urls
+        status, body = _completion(leader, model, max_tokens=16)
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert body["choices"][0]["prompt_token_ids"] == reference["prompt_ids"]
+        assert choice["token_ids"] == reference["token_ids"]
+        # the follower: /health only
+        assert _status(follower, "/health") == 200
+        assert _status(follower, "/v1/models") == 404
+        status, _, err = post(follower, "/v1/completions", {"prompt": "x"})
+        assert status == 404 and "only /health" in err["error"]["message"]
+
+        # process 1 dies while a long request streams from process 0
+        stream = _Stream(leader, {"model": str(model), "prompt": PROMPT, "max_tokens": 230,
+                                  "temperature": 0, "ignore_eos": True})
+        pair.procs[1].send_signal(signal.SIGKILL)
+        events = stream.rest()
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors, events[-3:]
+        assert errors[0]["error"]["code"] == "peer_lost", errors[0]
+        assert "process 1 of 2" in errors[0]["error"]["message"]
+        assert pair.wait(0) == EXIT_PEER_LOST, pair.stderr(0)[-3000:]
+        assert "process 1 of 2 of this multi-host server is gone" in pair.stderr(0)
+    finally:
+        pair.kill()
+
+
+@pytest.mark.slow
+def test_followers_exit_when_process_0_dies(model, tmp_path):
+    pair = Pair(model, tmp_path)
+    try:
+        pair.procs[0].send_signal(signal.SIGKILL)
+        code = pair.wait(1)
+        assert code != 0
+        if code == EXIT_PEER_LOST:  # (jax's coordination client may abort it first)
+            assert "process 0 of this multi-host server is gone" in pair.stderr(1)
+    finally:
+        pair.kill()
