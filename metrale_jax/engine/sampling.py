@@ -123,10 +123,7 @@ def _draw(x: jax.Array, sampling: SamplingState, row_keys: jax.Array, want_keep:
                        | (sampling.typical_p < 1.0) | (sampling.xtc_probability > 0))
 
     def with_candidates(_):
-        # The barrier keeps XLA from folding later slices of the candidates into the sort
-        # that top_k lowers to, which would stop XLA:CPU from turning it back into its fast
-        # TopK kernel (a full 49k-wide sort costs ~50x more).
-        vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(x, C))
+        vals, ids = jax.lax.top_k(x, C)
         ks = truncate(vals, x, sampling, u)
         return vals, ids.astype(jnp.int32), ks.keep, ks.mode, ks.floor, ks.ceil
 
@@ -157,7 +154,7 @@ def _draw(x: jax.Array, sampling: SamplingState, row_keys: jax.Array, want_keep:
                 _scatter(keep_f, ids_f, V) if want_keep else no_keep)
 
     def wide(_):  # the wide candidates first; the full sort only for rows beyond them
-        vals2, ids2 = jax.lax.optimization_barrier(jax.lax.top_k(x, min(WIDE_CANDIDATES, V)))
+        vals2, ids2 = jax.lax.top_k(x, min(WIDE_CANDIDATES, V))
         ids2 = ids2.astype(jnp.int32)
         ks2 = truncate(vals2, x, sampling, u)
         exact = ks2.mode == EXACT

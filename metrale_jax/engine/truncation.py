@@ -86,7 +86,10 @@ def truncate(s: jax.Array, x: jax.Array | None, sampling: SamplingState,
         mass = jnp.where(k_eff <= N, mass, 1.0)
     before = jnp.cumsum(pk, axis=-1) - pk
     keep = in_k & ((top_p >= 1.0)[:, None] | (before < (top_p * mass)[:, None]))
-    floor_min_p = s[:, 0] + jnp.log(min_p)  # log(0) = -inf: min-p off
+    # Row ends by reductions, not slices: XLA:CPU folds slices of top_k's result into the sort
+    # it lowers to, and then can't use its fast TopK kernel (a full sort costs ~50x more).
+    first, last = jnp.max(s, axis=-1), jnp.min(s, axis=-1)
+    floor_min_p = first + jnp.log(min_p)  # log(0) = -inf: min-p off
     keep &= (s >= floor_min_p[:, None]) & finite
     keep |= j == 0
     if complete:
@@ -134,7 +137,7 @@ def truncate(s: jax.Array, x: jax.Array | None, sampling: SamplingState,
         # A band row's typical set is exact when it ends inside the candidates and every
         # token beyond them scores worse: their -log p is at least the last candidate's.
         last_score = jnp.take_along_axis(jnp.sort(score, axis=-1), last[:, None], axis=-1)[:, 0]
-        tail_bound = lse - s[:, -1] - h
+        tail_bound = lse - last - h
         exact = (n_below < n_keep) & (last_score < tail_bound)
         new_mode = jnp.where(mode == BAND, jnp.where(exact, EXACT, NEEDS_FULL), mode)
         return (jnp.where(typical[:, None], keep_t, keep),
@@ -152,7 +155,7 @@ def truncate(s: jax.Array, x: jax.Array | None, sampling: SamplingState,
         act = xtc & (n_above >= 2)
         keep = jnp.where(act[:, None], keep & ~(above & (j < last_above[:, None])), keep)
         # A band row: every token at or above the threshold must be among the candidates.
-        beyond = (mode == BAND) & act & (p[:, -1] >= sampling.xtc_threshold)
+        beyond = (mode == BAND) & act & (jnp.exp(last - lse) >= sampling.xtc_threshold)
         mode = jnp.where(beyond, NEEDS_FULL, mode).astype(jnp.int32)
         top_kept = jnp.take_along_axis(s, jnp.maximum(last_above, 0)[:, None], axis=-1)[:, 0]
         ceil = jnp.where(act & (mode == BAND), top_kept, ceil)
