@@ -8,6 +8,7 @@ warm, and transformers' greedy `generate` (torch, CPU, float32) at batch 1 and 1
     .venv/bin/python bench/engine.py                     # the full table (a few minutes)
     .venv/bin/python bench/engine.py --max-len 512 --steps 8 --no-hf --no-warmup
     .venv/bin/python bench/engine.py --sampling          # decode step time per sampling control
+    .venv/bin/python bench/engine.py --mesh              # overhead table, meshes (1,1) (1,2) (2,1)
 """
 
 from __future__ import annotations
@@ -213,7 +214,22 @@ def main() -> None:
     p.add_argument("--sampling", action="store_true",
                    help="only the sampling-controls table (decode step time per control)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (--sampling)")
+    p.add_argument("--mesh", nargs="*", default=None, metavar="MESH",
+                   help="only the mesh overhead table, one child process per mesh (default: "
+                        "data=1,model=1 data=1,model=2 data=2,model=1; bench/engine_mesh.py)")
+    p.add_argument("--real-devices", action="store_true",
+                   help="--mesh on the machine's devices instead of fake CPU ones")
+    p.add_argument("--mesh-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.mesh_child is not None:
+        from bench.engine_mesh import child
+        print(json.dumps(child(args, args.mesh_child)))
+        return
+    if args.mesh is not None:
+        from bench.engine_mesh import DEFAULT_MESHES, table
+        args.mesh = args.mesh or list(DEFAULT_MESHES)
+        table(args)
+        return
     if args.warmup_only:
         warmup_only(args)
         return

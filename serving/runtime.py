@@ -14,6 +14,7 @@ calls in a thread, and their app answers only /health. A lost peer fails every r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -79,6 +80,9 @@ class ModelRuntime:
             self.checkpoint = ckpt
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                             placement=hook.placement)
+            # The engine holds its own (per-layer, placed) params: drop the loaded stacked
+            # copy, which would double the params' memory beside the memory plan.
+            self.checkpoint = ckpt = dataclasses.replace(ckpt, params=None)
             self.engine_config = engine.config
             if s.num_processes > 1:
                 engine = self._join_processes(engine)

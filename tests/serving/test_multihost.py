@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
@@ -99,9 +100,11 @@ class Pair:
 
     def _url(self, i: int) -> str:
         """The URL process i prints once ready (gloo prints its own lines on stdout too)."""
-        for line in self.procs[i].stdout:  # blocks until ready (or the process ends)
+        out = self.procs[i].stdout
+        for line in out:  # blocks until ready (or the process ends)
             match = re.search(r"at (http://[0-9.:]+)", line)
-            if match is not None:
+            if match is not None:  # keep reading, so that a full pipe never blocks it
+                threading.Thread(target=out.read, daemon=True).start()
                 return match.group(1)
         self.kill()
         pytest.fail(f"process {i} printed no URL:\n{self.stderr(i)[-3000:]}")
