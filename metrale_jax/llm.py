@@ -83,8 +83,10 @@ class LLM:
             ckpt = self.checkpoint
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                             placement=self._placement.placement)
-            self._scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids)
-            self._scheduler.wait_ready()
+            scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids)
+            if not scheduler.wait_ready():
+                raise scheduler.startup_error
+            self._scheduler = scheduler
         return self._scheduler
 
     @property

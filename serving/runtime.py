@@ -96,6 +96,8 @@ class ModelRuntime:
                                            max_waiting=s.max_waiting, warmup=s.warmup,
                                            warmup_progress=hook)
                 self.scheduler.wait_ready()
+                if self.scheduler.startup_error is not None:
+                    raise self.scheduler.startup_error
             if self.state == "warming_up":
                 self.state = "ready"
             log.info("ready: %s (%d programs compiled)", s.model_name, engine.compile_count)

@@ -79,6 +79,7 @@ class Scheduler:
         self._slots: list[Sequence | None] = [None] * self.num_slots
         self._running = True
         self._ready = threading.Event()
+        self.startup_error: BaseException | None = None  # set when warmup failed
         self._warmup = warmup
         self._warmup_progress = warmup_progress
         # slot -> (request id, time.monotonic() at admission); written by the loop thread only,
@@ -91,13 +92,14 @@ class Scheduler:
 
     # ---- caller side -------------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Blocks until warmup is done; True when ready."""
-        return self._ready.wait(timeout)
+        """Blocks until warmup has ended; True when it succeeded and the loop is serving,
+        False on a timeout or when warmup failed (`startup_error` then says why)."""
+        return self._ready.wait(timeout) and self.startup_error is None
 
     @property
     def ready(self) -> bool:
         """True once the engine is warmed up and the loop is serving."""
-        return self._ready.is_set()
+        return self._ready.is_set() and self.startup_error is None
 
     def check(self, request: GenerationRequest) -> None:
         """Validates a request against the engine's shapes; raises a `MetraleError`."""
@@ -207,6 +209,7 @@ class Scheduler:
             self.state = self.engine.init_decode_state()
         except Exception as e:  # nothing can be served: fail whatever is queued
             log.exception("engine warmup failed")
+            self.startup_error = e
             with self._lock:
                 self._running = False
             self._fail_all(e)

@@ -54,3 +54,18 @@ def test_without_progress_warmup_is_called_as_before():
     finally:
         scheduler.stop()
     assert engine.calls == ["plain"]
+
+
+class BrokenEngine(Engine):
+    def warmup(self, workers: int = 2, progress=None):
+        raise RuntimeError("out of device memory while compiling")
+
+
+def test_a_failed_warmup_is_not_ready_and_says_why():
+    scheduler = Scheduler(BrokenEngine(), tokenizer=None)
+    try:
+        assert not scheduler.wait_ready(30)
+        assert not scheduler.ready
+        assert "out of device memory" in str(scheduler.startup_error)
+    finally:
+        scheduler.stop()

@@ -100,3 +100,26 @@ def test_runtime_reports_its_stages_and_the_hooks_steps(tiny_model, monkeypatch)
                         ("compiling", 0, 0), ("compiling", n, n), ("compiling", n, n)]
     finally:
         runtime.stop()
+
+
+def test_runtime_fails_when_warmup_fails(tiny_model, monkeypatch):
+    """An engine whose warmup raises leaves the runtime "failed" with that error (so /health
+    stays 503 and requests get `load_failed`), never "ready"."""
+    from metrale_jax.engine import Engine
+    from serving.runtime import ModelRuntime
+    from serving.settings import ServerSettings
+    from tests.serving.conftest import MAX_LEN
+
+    def warmup(self, workers=2, progress=None):
+        raise RuntimeError("compile failed on purpose")
+
+    monkeypatch.setattr(Engine, "warmup", warmup)
+    settings = ServerSettings(model=str(tiny_model), max_slots=8, max_len=MAX_LEN,
+                              engine_options={"max_prefill_len": 64})
+    runtime = ModelRuntime(settings)
+    runtime.start().join(600)
+    try:
+        assert runtime.state == "failed" and not runtime.ready
+        assert "compile failed on purpose" in str(runtime.error)
+    finally:
+        runtime.stop()
