@@ -179,7 +179,7 @@ class ChatOutput:
 
         Raises:
             InvalidParameterError: what the request needs is not available (no reasoning
-                parser for a thinking budget; the engine lacks the hook).
+                parser for a thinking budget) or conflicts (a budget with a constraint).
         """
         changes: dict[str, Any] = {}
         single = single_token_markers(tokenizer, self.markers())
@@ -192,7 +192,7 @@ class ChatOutput:
                                         special=special)
             changes.update(constraint_field(params, grammar["grammar"]))
         if thinking_budget is not None:
-            if changes.get("constraint", getattr(params, "constraint", None)) is not None:
+            if changes.get("constraint", params.constraint) is not None:
                 raise InvalidParameterError(
                     "thinking_budget cannot be combined with constrained output (a forced tool "
                     "choice, response_format, regex, choice or grammar)",
@@ -206,9 +206,6 @@ class ChatOutput:
                 "thinking_budget needs a reasoning parser: this model's template has no "
                 "<think> tags (start the server with --reasoning-parser NAME)",
                 param="thinking_budget")
-        if "thinking_budget" not in _fields(params):
-            raise InvalidParameterError("thinking_budget is not supported yet by the engine",
-                                        param="thinking_budget")
         from metrale_jax.scheduler.thinking import ThinkingBudgetSpec
         start, close = thinking_tag_ids(tokenizer)
         spec = ThinkingBudgetSpec(budget, start, close, end_of_thinking_ids(tokenizer),
@@ -251,22 +248,14 @@ def single_token_markers(tokenizer: Any, markers: Sequence[str]) -> dict[str, in
     return out
 
 
-def _fields(params: Any) -> set[str]:
-    return {f.name for f in dataclasses.fields(params)}
-
-
 def constraint_field(params: Any, grammar: str) -> dict[str, Any]:
     """The `SamplingParams` change that constrains a request to the Lark `grammar`.
 
     Raises:
-        InvalidParameterError: the engine has no constrained decoding yet.
+        InvalidParameterError: the request already has another constraint.
     """
-    if "constraint" not in _fields(params):
-        raise InvalidParameterError(
-            "tool_choice 'required' or a named function needs constrained decoding, which "
-            "this engine does not support yet: use 'auto'", param="tool_choice")
     from metrale_jax.scheduler.constraints import Constraint
-    if getattr(params, "constraint", None) is not None:
+    if params.constraint is not None:
         raise InvalidParameterError(
             "tool_choice 'required' or a named function cannot be combined with "
             "response_format, regex, choice or grammar", param="tool_choice")

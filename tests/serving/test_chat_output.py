@@ -6,11 +6,9 @@ to the non-streamed message, and the official client's parsers and stream helper
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import random
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -272,55 +270,33 @@ def test_for_request_picks_parsers_from_the_template():
     assert err.value.param == "tools"
 
 
-@dataclasses.dataclass(frozen=True)
-class HookedParams:
-    """The SamplingParams fields adjust_params touches, with both engine hooks."""
-
-    skip_special_tokens: bool = True
-    constraint: Any = None
-    thinking_budget: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class BareParams:
-    """SamplingParams of an engine without the hooks."""
-
-    skip_special_tokens: bool = True
-
-
-def test_adjust_params_uses_the_hooks_when_they_exist(tool_tokenizer):
+def test_adjust_params_sets_the_constraint_and_thinking_budget(tool_tokenizer):
     from metrale_jax.scheduler.constraints import Constraint
     from metrale_jax.scheduler.thinking import ThinkingBudgetSpec
     tools = [{"type": "function", "function": {"name": "now"}}]
     choice = ToolChoice("named", "now", 1)
     out = ChatOutput.for_request(SETTINGS, HERMES_TEMPLATE, choice, False, "x: <think>")
     with pytest.raises(Exception, match="cannot be combined") as err:
-        out.adjust_params(HookedParams(), tool_tokenizer, tools, 5)
+        out.adjust_params(SamplingParams(), tool_tokenizer, tools, 5)
     assert err.value.param == "thinking_budget"
-    params = out.adjust_params(HookedParams(), tool_tokenizer, tools, None)
+    params = out.adjust_params(SamplingParams(), tool_tokenizer, tools, None)
     assert isinstance(params.constraint, Constraint) and params.constraint.kind == "grammar"
     (tc,) = tool_tokenizer.encode("<tool_call>", add_special_tokens=False)
     assert params.constraint.value.startswith(f"start: call\ncall: <[{tc}]>")
     auto = ChatOutput.for_request(SETTINGS, HERMES_TEMPLATE, ToolChoice("auto"), False,
                                   "x: <think>")
-    spec = auto.adjust_params(HookedParams(), tool_tokenizer, tools, 5).thinking_budget
+    spec = auto.adjust_params(SamplingParams(), tool_tokenizer, tools, 5).thinking_budget
     assert isinstance(spec, ThinkingBudgetSpec) and spec.budget == 5 and spec.open
     assert spec.close_ids == tuple(tool_tokenizer.encode("</think>", add_special_tokens=False))
     assert params.skip_special_tokens  # the tags are not special tokens here
     with pytest.raises(Exception, match="cannot be combined"):
-        out.adjust_params(HookedParams(constraint=params.constraint), tool_tokenizer, tools,
+        out.adjust_params(SamplingParams(constraint=params.constraint), tool_tokenizer, tools,
                           None)
-    with pytest.raises(Exception, match="not support yet") as err:
-        out.adjust_params(BareParams(), tool_tokenizer, tools, None)
-    assert err.value.param == "tool_choice"
     auto = ChatOutput.for_request(SETTINGS, HERMES_TEMPLATE, ToolChoice("auto"), False, "")
-    with pytest.raises(Exception, match="not supported yet") as err:
-        auto.adjust_params(BareParams(), tool_tokenizer, tools, 3)
-    assert err.value.param == "thinking_budget"
     assert auto.adjust_params(SamplingParams(), tool_tokenizer, tools, None) == SamplingParams()
     none = ChatOutput.for_request(SETTINGS, "{{ messages }}", ToolChoice("none"), False, "")
     with pytest.raises(Exception, match="reasoning parser") as err:
-        none.adjust_params(HookedParams(), tool_tokenizer, tools, 3)
+        none.adjust_params(SamplingParams(), tool_tokenizer, tools, 3)
 
 
 def test_special_markers_turn_skip_special_tokens_off():

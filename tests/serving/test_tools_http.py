@@ -8,12 +8,10 @@ model's raw text (got from /v1/completions on the same prompt ids), streamed or 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 
-from metrale_jax.scheduler import SamplingParams
 from serving.reasoning import ReasoningParser
 from serving.tools.parsers import HermesParser
 from tests.serving.conftest import MAX_LEN, post, sse_events, wait_healthy
@@ -27,8 +25,6 @@ HISTORY = [*USER,
                {"id": "call_1", "type": "function",
                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-HAS_CONSTRAINTS = "constraint" in {f.name for f in dataclasses.fields(SamplingParams)}
-HAS_BUDGET = "thinking_budget" in {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 @pytest.fixture(scope="module")
@@ -221,16 +217,6 @@ def test_openai_stream_helper_against_the_server(url, tool_server):
     assert final.choices[0].finish_reason == plain.choices[0].finish_reason
 
 
-@pytest.mark.skipif(HAS_CONSTRAINTS, reason="constrained decoding is wired")
-@pytest.mark.parametrize("choice", ["required", {"type": "function",
-                                                 "function": {"name": "get_weather"}}])
-def test_forced_tool_choice_needs_constrained_decoding(url, schemas, choice):
-    status, _, err = chat(url, messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=8)
-    assert status == 400 and err["error"]["param"] == "tool_choice", err
-    assert "not support yet" in err["error"]["message"]
-
-
-@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="needs SamplingParams.constraint")
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_weather"}}])
 def test_forced_tool_choice_calls_the_tool(url, schemas, choice):
@@ -259,7 +245,6 @@ def test_forced_tool_choice_calls_the_tool(url, schemas, choice):
     assert called >= 2
 
 
-@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="needs SamplingParams.constraint")
 def test_forced_tool_choice_with_thinking_opened_still_calls(url, schemas):
     """A prompt that opens `<think>` does not turn a forced call into reasoning."""
     finished = []
@@ -278,14 +263,6 @@ def test_forced_tool_choice_with_thinking_opened_still_calls(url, schemas):
     assert "tool_calls" in finished
 
 
-@pytest.mark.skipif(HAS_BUDGET, reason="thinking budgets are wired")
-def test_thinking_budget_needs_the_engine_hook(url):
-    status, _, err = chat(url, messages=USER, enable_thinking=True, thinking_budget=4,
-                          max_tokens=8)
-    assert status == 400 and err["error"]["param"] == "thinking_budget", err
-
-
-@pytest.mark.skipif(not HAS_BUDGET, reason="needs SamplingParams.thinking_budget")
 def test_thinking_budget_forces_the_end_of_thinking(url, schemas):
     status, _, body = chat(url, messages=USER, enable_thinking=True, thinking_budget=4,
                            max_tokens=16, return_token_ids=True)
