@@ -1,9 +1,17 @@
-"""Shared test setup: JAX's persistent compilation cache and the default-model fixture."""
+"""Shared test setup: one OpenMP thread per test process, JAX's persistent compilation
+cache, and the default-model fixture."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+# `make test` runs two xdist workers on a 2-core machine, and the subprocesses of the mesh,
+# multi-host and notebook tests share those cores too. torch's OpenMP threads spin while
+# they wait for work, so with one thread per core in every process the transformers
+# references slowed down about 11x (test_default_model_greedy: 27 s alone, 430 s beside the
+# notebooks; 39 s with one thread). Set before torch is imported; inherited by subprocesses.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax
 import pytest
