@@ -1,0 +1,45 @@
+"""Runs a notebook of `notebooks/` as stored, in a fresh kernel (nbclient), for the tests.
+
+The kernel's working directory is the repository and METRALE_NOTEBOOK_TEST is set, so the
+Colab install cell does nothing. Any cell error fails the calling test with that cell's
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CACHE, REPO
+
+NOTEBOOKS = REPO / "notebooks"
+CELL_TIMEOUT = 1200  # seconds: compiling the default model on a busy 2-core machine
+
+
+def read_notebook(name: str):
+    """The stored notebook `notebooks/<name>` as an nbformat v4 node."""
+    import nbformat
+    return nbformat.read(NOTEBOOKS / name, as_version=4)
+
+
+def run_notebook(name: str, tmp_path: Path) -> None:
+    """Executes every cell of `notebooks/<name>` on CPU; fails the test on a cell error."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+    nb = read_notebook(name)
+    env = {**os.environ, "METRALE_NOTEBOOK_TEST": "1", "JAX_PLATFORMS": "cpu",
+           "METRALE_JAX_CACHE": str(CACHE), "MPLBACKEND": "Agg",
+           "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    env.pop("XLA_FLAGS", None)  # the sharding notebook sets its own
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+                            resources={"metadata": {"path": str(REPO)}})
+    try:
+        client.execute(env=env)
+    except CellExecutionError as e:
+        pytest.fail(f"{name}: a cell failed:\n{e}")
+    for cell in nb.cells:  # executed: every code cell ran and none wrote an error
+        if cell.cell_type == "code":
+            assert cell.execution_count is not None
+            assert not [o for o in cell.outputs if o.output_type == "error"]
