@@ -82,6 +82,8 @@ class ToolCallMachine:
     """
 
     markers: tuple[str, ...] = ()
+    text_state = "text"  # the state that reads text after a failed call
+    complete_state: str | None = None  # a call open in this state is whole at end of text
     arg_keys: tuple[str, ...] = ("arguments", "parameters")
     args_optional = True  # a call without arguments gets "{}"
 
@@ -130,8 +132,18 @@ class ToolCallMachine:
         raise NotImplementedError
 
     def end_of_text(self) -> None:
-        """The text ended inside a call: by default the call fails (the format may accept)."""
+        """The text ended inside a call: it is complete in `complete_state`, else it fails."""
+        if self.complete_state is not None and self.state == self.complete_state:
+            self.close_call()
+        else:
+            self.fail()
+        self.state = self.text_state
+
+    def _fail(self) -> bool:
+        """`step`'s way out when the open call turns out to be none (see `fail`)."""
         self.fail()
+        self.state = self.text_state
+        return True
 
     # ---- content ---------------------------------------------------------------------------
     def content(self, text: str) -> None:

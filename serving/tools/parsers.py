@@ -119,6 +119,7 @@ class ToolParser:
 # ---- Hermes / Qwen ---------------------------------------------------------------------------
 class _HermesMachine(ToolCallMachine):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    complete_state = "post"  # the object is whole; only the closing tag is missing
 
     def step(self) -> bool:
         s = self.state
@@ -156,17 +157,6 @@ class _HermesMachine(ToolCallMachine):
             return True
         raise AssertionError(s)
 
-    def _fail(self) -> bool:
-        self.fail()
-        self.state = "text"
-        return True
-
-    def end_of_text(self) -> None:
-        if self.state == "post":
-            self.close_call()
-        else:
-            self.fail()
-        self.state = "text"
 
 
 class HermesParser(ToolParser):
@@ -181,6 +171,7 @@ class HermesParser(ToolParser):
 class _Llama3Machine(ToolCallMachine):
     TAG = "<|python_tag|>"
     args_optional = False  # a bare JSON answer is a call only with its parameters
+    text_state, complete_state = "rest", "post"
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -246,17 +237,6 @@ class _Llama3Machine(ToolCallMachine):
         self.state = "rest"
         return True
 
-    def _fail(self) -> bool:
-        self.fail()
-        self.state = "rest"
-        return True
-
-    def end_of_text(self) -> None:
-        if self.state == "post":
-            self.close_call()
-        else:
-            self.fail()
-        self.state = "rest"
 
 
 class Llama3JsonParser(ToolParser):
@@ -273,6 +253,7 @@ _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 class _MistralMachine(ToolCallMachine):
     OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    complete_state = "after"
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -378,17 +359,6 @@ class _MistralMachine(ToolCallMachine):
         self.arguments(self.scanner.text)
         return True
 
-    def _fail(self) -> bool:
-        self.fail()
-        self.state = "text"
-        return True
-
-    def end_of_text(self) -> None:
-        if self.state == "after":
-            self.close_call()
-        else:
-            self.fail()
-        self.state = "text"
 
 
 class MistralParser(ToolParser):
