@@ -171,6 +171,38 @@ class ToolCallMachine:
         self.buf = self.buf[len(self.buf) - keep:]
         return False
 
+    # ---- steps shared by the formats ---------------------------------------------------------
+    def open_at(self, marker: str, then: str) -> bool:
+        """A text state whose calls start at `marker`: content up to it, then a call opens
+        (state `then`). False while more text is needed."""
+        if not self.buf or not self.text_until(marker):
+            return False
+        self.buf = self.buf[len(marker):]
+        self.open_call(marker)
+        self.state = then
+        return True
+
+    def start_object(self) -> bool:
+        """The open call's JSON object comes next (after whitespace): its scan starts (state
+        "object"), or, when something else comes, the call fails."""
+        if not self.skip_ws():
+            return False
+        if self.buf[0] != "{":
+            return self._fail()
+        self.scanner, self.state = JsonScanner(), "object"
+        return True
+
+    def scan_object(self, then: str) -> bool:
+        """The "object" state: scans; a whole, valid call moves to state `then`, an invalid
+        one fails."""
+        result = self.scan()
+        if result == "more":
+            return False
+        if result == "error" or not self.complete_call():
+            return self._fail()
+        self.state = then
+        return True
+
     # ---- calls -----------------------------------------------------------------------------
     def open_call(self, raw: str = "") -> None:
         """A call starts; `raw` is its text already consumed (its marker)."""

@@ -124,27 +124,11 @@ class _HermesMachine(ToolCallMachine):
     def step(self) -> bool:
         s = self.state
         if s == "text":
-            if not self.buf or not self.text_until(self.OPEN):
-                return False
-            self.buf = self.buf[len(self.OPEN):]
-            self.open_call(self.OPEN)
-            self.state = "pre"
-            return True
+            return self.open_at(self.OPEN, "pre")
         if s == "pre":
-            if not self.skip_ws():
-                return False
-            if self.buf[0] != "{":
-                return self._fail()
-            self.scanner, self.state = JsonScanner(), "object"
-            return True
+            return self.start_object()
         if s == "object":
-            result = self.scan()
-            if result == "more":
-                return False
-            if result == "error" or not self.complete_call():
-                return self._fail()
-            self.state = "post"
-            return True
+            return self.scan_object("post")
         if s == "post":  # the closing tag; a missing one is forgiven
             if not self.skip_ws():
                 return False
@@ -200,20 +184,9 @@ class _Llama3Machine(ToolCallMachine):
                 return False
             return self._to_text()
         if s == "pre":
-            if not self.skip_ws():
-                return False
-            if self.buf[0] != "{":
-                return self._fail()
-            self.scanner, self.state = JsonScanner(), "object"
-            return True
+            return self.start_object()
         if s == "object":
-            result = self.scan()
-            if result == "more":
-                return False
-            if result == "error" or not self.complete_call():
-                return self._fail()
-            self.state = "post"
-            return True
+            return self.scan_object("post")
         if s == "post":  # `;` and another call, or the end
             if not self.skip_ws():
                 return False
@@ -264,12 +237,7 @@ class _MistralMachine(ToolCallMachine):
     def step(self) -> bool:
         s = self.state
         if s == "text":
-            if not self.buf or not self.text_until(self.OPEN):
-                return False
-            self.buf = self.buf[len(self.OPEN):]
-            self.open_call(self.OPEN)
-            self.state = "pre"
-            return True
+            return self.open_at(self.OPEN, "pre")
         if s == "pre":
             if not self.skip_ws():
                 return False
@@ -285,12 +253,8 @@ class _MistralMachine(ToolCallMachine):
                 return self._fail()
             return True
         if s == "element":
-            if not self.skip_ws():
-                return False
-            if self.buf[0] != "{":
-                return self._fail()
-            self.scanner, self.args_whole, self.state = JsonScanner(), False, "object"
-            return True
+            self.args_whole = False
+            return self.start_object()
         if s == "name":
             n = 0
             while n < len(self.buf) and self.buf[n] in _NAME_CHARS:
@@ -306,26 +270,17 @@ class _MistralMachine(ToolCallMachine):
                 return n > 0
             return self._fail()
         if s == "v11_args":
-            if not self.skip_ws():
-                return False
-            if self.buf[0] != "{":
-                return self._fail()
-            assert self.call is not None
-            self.call.name = self.v11_name
-            self.scanner, self.args_whole, self.state = JsonScanner(), True, "object"
-            return True
+            progressed = self.start_object()
+            if self.state == "object":  # the object is the arguments of the name read
+                assert self.call is not None
+                self.call.name, self.args_whole = self.v11_name, True
+            return progressed
         if s == "object":
-            result = self.scan()
-            if result == "more":
-                return False
-            if result == "error" or not self.complete_call():
-                return self._fail()
-            if not self.in_array:
+            progressed = self.scan_object("after")
+            if self.state == "after" and not self.in_array:  # a lone object: no `,` or `]`
                 self.close_call()
                 self.state = "text"
-            else:
-                self.state = "after"
-            return True
+            return progressed
         if s == "after":  # inside the array: `,` and another call, or `]`
             if not self.skip_ws():
                 return False
