@@ -29,7 +29,7 @@ def child(args, mesh: str) -> dict:
     import jax
     import numpy as np
 
-    from bench.engine import DEFAULT_SHAPE, engine_config, random_model
+    from bench.engine import DEFAULT_SHAPE, decode_rate, engine_config, random_model
     from metrale_jax.engine import Engine, SlotSettings
 
     graphdef, params = random_model()
@@ -52,20 +52,11 @@ def child(args, mesh: str) -> dict:
         np.asarray(first.tokens)
         times.append(time.perf_counter() - t0)
     prefill_s = float(np.median(times))
-    state, _ = add(engine.init_decode_state(), B, 16)
-    mask = np.ones(B, np.bool_)
-    for _ in range(2):
-        state, out = engine.step(state, mask)
-    jax.block_until_ready(out.tokens)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, out = engine.step(state, mask)
-    jax.block_until_ready(out.tokens)
-    decode_s = (time.perf_counter() - t0) / args.steps
-    return {"mesh": mesh, "devices": len(out.tokens.sharding.device_set),
-            "platform": jax.devices()[0].platform,
-            "decode_tok_s": B * engine.config.decode_steps / decode_s,
-            "step_ms": decode_s * 1000, "prefill_tok_s": P / prefill_s,
+    decode_tok_s = decode_rate(engine, B, args.steps)
+    step_s = B * engine.config.decode_steps / decode_tok_s
+    return {"mesh": mesh, "devices": len(first.tokens.sharding.device_set),
+            "platform": jax.devices()[0].platform, "decode_tok_s": decode_tok_s,
+            "step_ms": step_s * 1000, "prefill_tok_s": P / prefill_s,
             "prefill_ms": prefill_s * 1000, "slots": B, "bucket": P}
 
 
