@@ -11,14 +11,12 @@ live, which the tests below check.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.fake_devices import print_report, run_child
+
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 SHAPES = dict(max_slots=8, max_len=64, min_prefill_bucket=16, max_prefill_len=16,
               max_prefill_batch=2, num_top_logprobs=3)
@@ -89,20 +87,14 @@ def child_main(spec: dict) -> None:
             reports.append(dict(model=name, **_run(cfg, graphdef, params, mesh,
                                                    spec["cache_dir"])))
             jax.clear_caches()
-    print("REPORT " + json.dumps(reports))
+    print_report(reports)
 
 
 # ---- the tests -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reports() -> list[dict]:
     from tests.conftest import CACHE
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, __file__, json.dumps({"cache_dir": str(CACHE)})],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
-    return json.loads(line[len("REPORT "):])
+    return run_child(__file__, json.dumps({"cache_dir": str(CACHE)}), timeout=1500)
 
 
 def _by(reports, model, mesh):

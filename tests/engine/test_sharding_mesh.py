@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.fake_devices import print_report, run_child
+
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 B, T, S, STEPS = 8, 8, 16, 4  # slots, prompt tokens, cache length, decode steps
 
@@ -182,7 +180,7 @@ def child_main(spec: dict) -> None:
         ckpt = load_checkpoint(path)
         reports += _check_model(label, ckpt.graphdef, ckpt.params, [tuple(m) for m in meshes],
                                 measure_floor=label == "default")
-    print("REPORT " + json.dumps(reports))
+    print_report(reports)
 
 
 # ---- the test ------------------------------------------------------------------------------
@@ -199,14 +197,7 @@ def reports(tmp_path_factory) -> list[dict]:
     if default.is_file():
         checkpoints.append(["default", str(default), DEFAULT_MODEL_MESHES])
     spec = dict(checkpoints=checkpoints, cache_dir=str(CACHE))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
-    out = json.loads(line[len("REPORT "):])
-    return out
+    return run_child(__file__, json.dumps(spec), timeout=900)
 
 
 def test_every_model_and_mesh_ran(reports):

@@ -9,15 +9,12 @@ shape of every device's shard (a sharded param never exists whole on any device)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.fake_devices import print_report, run_child
+
 MESHES = [(2, 4), (1, 8)]
 
 
@@ -56,7 +53,7 @@ def child_main(path: str) -> None:
                     shard_shapes=sorted({tuple(s.data.shape) for s in x.addressable_shards}),
                     expected_shard=list(shard_shape(x.shape, spec, mesh)),
                     num_shards=len(x.addressable_shards)))
-    print("REPORT " + json.dumps(report))
+    print_report(report)
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +65,7 @@ def report(tmp_path_factory) -> list[dict]:
 
     hf = build_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2")
     native = save_orbax(load_checkpoint(hf), tmp_path_factory.mktemp("orbax") / "native")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, __file__, str(native)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
-    return json.loads(line[len("REPORT "):])
+    return run_child(__file__, str(native), timeout=300)
 
 
 def test_sharded_restore_is_bit_identical(report):
