@@ -19,11 +19,15 @@ Masks are data (`[B, ceil(V/32)]` uint32, all ones for unconstrained rows): noth
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from metrale_jax.engine.bitmask import pack, words_for
 from metrale_jax.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from metrale_jax.scheduler.sequence import Sequence
 
 
 class GrammarSlots:
@@ -83,25 +87,24 @@ class GrammarSlots:
         """`slot` lost its request (its in-flight outputs will be ignored)."""
         self.inflight[slot] = 0
 
-    def _waits(self, i: int, seq) -> bool:
+    def _waits(self, i: int, seq: Sequence) -> bool:
         """The slot can't advance until its in-flight tokens are read."""
         if self.inflight[i] == 0:
             return False
-        thinking = getattr(seq, "thinking", None)
-        return getattr(seq, "matcher", None) is not None or (
-            thinking is not None and thinking.needs_sync(int(self.inflight[i])))
+        return seq.matcher is not None or (
+            seq.thinking is not None and seq.thinking.needs_sync(int(self.inflight[i])))
 
-    def must_drain(self, sequences: list) -> bool:
+    def must_drain(self, sequences: list[Sequence | None]) -> bool:
         """True when every occupied slot has to wait for its in-flight tokens."""
         busy = [(i, s) for i, s in enumerate(sequences) if s is not None]
         return bool(busy) and all(self._waits(i, s) for i, s in busy)
 
-    def step_inputs(self, sequences: list) -> tuple[np.ndarray, np.ndarray | None]:
+    def step_inputs(self, sequences: list[Sequence | None]) -> tuple[np.ndarray, np.ndarray | None]:
         """(active [B] bool, allowed [B, W] uint32 or None) for the next decode step."""
         B = len(sequences)
         active = np.array([s is not None for s in sequences], np.bool_)
-        special = [i for i, s in enumerate(sequences) if s is not None and (
-            getattr(s, "matcher", None) is not None or getattr(s, "thinking", None) is not None)]
+        special = [i for i, s in enumerate(sequences)
+                   if s is not None and (s.matcher is not None or s.thinking is not None)]
         if not special:
             return active, None
         ready, forced = [], []
