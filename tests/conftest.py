@@ -11,7 +11,7 @@ from pathlib import Path
 # they wait for work, so with one thread per core in every process the transformers
 # references slowed down about 11x (test_default_model_greedy: 27 s alone, 430 s beside the
 # notebooks; 39 s with one thread). Set before torch is imported; inherited by subprocesses.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import jax
 import pytest
