@@ -54,6 +54,11 @@ class LLM:
         mesh: the device mesh, "data=2,model=4" or (data, model); None = the default for the
             model and the devices (see `engine/sharding.py`).
         memory_gb: GiB per device for the memory plan (None = what the devices report).
+        warmup: compile every program of the serving grid (all prefill buckets, batch sizes
+            and decode buckets) when the batching loop starts, as `metrale serve` does. The
+            default, False, suits one-shot runs: each program compiles on its first use, so
+            a first `generate` compiles only the shapes it needs. Either way the grid is
+            fixed, so no request compiles anything outside it.
         Further keyword arguments go to `EngineConfig`.
 
     The mesh and memory plan are decided while the checkpoint loads, before any weight is
@@ -64,7 +69,7 @@ class LLM:
     def __init__(self, model: str | Path = "default", *, dtype: str | None = None,
                  max_slots: int | None = 8, max_len: int | None = 2048,
                  mesh: str | tuple[int, int] | None = None, memory_gb: float | None = None,
-                 **engine_options: Any):
+                 warmup: bool = False, **engine_options: Any):
         from metrale_jax.engine.config import EngineConfig
         from metrale_jax.engine.placement import PlacementHook
         self._placement = PlacementHook(EngineConfig(
@@ -73,17 +78,20 @@ class LLM:
         self.checkpoint: Checkpoint = load_checkpoint(model, dtype, shardings=self._placement)
         self._template = None
         self._scheduler = None
+        self._warmup = warmup
 
     @property
     def scheduler(self):
-        """The batching loop (built, and its engine compiled, on first use)."""
+        """The batching loop, built on first use (with every program compiled when
+        `warmup=True`; otherwise programs compile as requests first need them)."""
         if self._scheduler is None:
             from metrale_jax.engine import Engine
             from metrale_jax.scheduler import Scheduler
             ckpt = self.checkpoint
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                             placement=self._placement.placement)
-            scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids)
+            scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
+                                  warmup=self._warmup)
             if not scheduler.wait_ready():
                 raise scheduler.startup_error
             self._scheduler = scheduler
@@ -96,6 +104,11 @@ class LLM:
         if gen is not None:
             return tuple(gen) if isinstance(gen, list) else (int(gen),)
         return tuple(self.config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+
+    def warmup(self) -> float:
+        """Compiles every program of the serving grid now (as `metrale serve` does before it
+        reports ready); returns the seconds it took. Later requests compile nothing."""
+        return self.scheduler.engine.warmup()
 
     def close(self) -> None:
         """Stops the batching loop thread, if one was started."""

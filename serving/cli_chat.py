@@ -250,8 +250,9 @@ def _local_backend(args: argparse.Namespace) -> LocalBackend:
     with StageProgress() as progress:
         with stage(progress, "loading weights"):
             llm = LLM(args.model, dtype=args.dtype, max_slots=1, max_len=args.max_len)
-        with stage(progress, "compiling"):
-            llm.scheduler  # noqa: B018 (builds the engine and compiles every program)
+        with stage(progress, "starting the engine"):
+            # builds the engine; each program compiles on the first message that needs it
+            llm.scheduler  # noqa: B018
     return LocalBackend(llm, args.model)
 
 

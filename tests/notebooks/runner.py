@@ -1,8 +1,9 @@
 """Runs a notebook of `notebooks/` as stored, in a fresh kernel (nbclient), for the tests.
 
-The kernel's working directory is the repository and METRALE_NOTEBOOK_TEST is set, so the
-Colab install cell does nothing. Any cell error fails the calling test with that cell's
-traceback.
+Every cell runs, the install cell included: the kernel's working directory is the clone's
+`notebooks/` folder (where a user opens them), so that cell finds the checkout, sees it is the
+one installed in this environment and only runs `metrale pull`. Any cell error fails the
+calling test with that cell's traceback.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ def run_notebook(name: str, tmp_path: Path) -> None:
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
     nb = read_notebook(name)
-    env = {**os.environ, "METRALE_NOTEBOOK_TEST": "1", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "METRALE_JAX_CACHE": str(CACHE), "MPLBACKEND": "Agg",
            "MPLCONFIGDIR": str(tmp_path / "mpl")}
     env.pop("XLA_FLAGS", None)  # the sharding notebook sets its own
+    env.pop("METRALE_SOURCE", None)  # installs from the clone, as a user of the clone does
     client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
-                            resources={"metadata": {"path": str(REPO)}})
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
     try:
         client.execute(env=env)
     except CellExecutionError as e:

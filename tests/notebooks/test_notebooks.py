@@ -16,7 +16,7 @@ def test_notebook_is_stored_without_outputs(name):
     assert code, "no code cells"
     for cell in code:
         assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
-    assert "METRALE_NOTEBOOK_TEST" in code[0].source  # the install cell comes first
+    assert "METRALE_SOURCE = \"\"" in code[0].source  # the install cell comes first
 
 
 @pytest.mark.default_model

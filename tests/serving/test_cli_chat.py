@@ -234,7 +234,7 @@ def test_chat_in_process_with_progress(tiny_model):
     assert r.returncode == 0, r.stderr
     assert r.stdout.endswith("\n")
     assert "metrale: loading weights ..." in r.stderr
-    assert "metrale: compiling: done in" in r.stderr
+    assert "metrale: starting the engine: done in" in r.stderr
 
 
 @pytest.mark.parametrize("args, code, needle", [
