@@ -28,7 +28,7 @@ serve: pull
 test: $(VENV)/.installed-test
 	$(BIN)/metrale pull
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=10
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

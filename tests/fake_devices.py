@@ -18,7 +18,8 @@ _REPORT = "REPORT "
 def run_child(script: str | Path, arg: str, *, timeout: float, devices: int = 8) -> Any:
     """Runs `python script arg` with `devices` fake CPU devices; asserts it succeeded and
     returns the report it printed with `print_report`."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    from tests.conftest import xla_flags
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices),
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(script), arg], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)

@@ -35,10 +35,12 @@ ARCH_CONFIGS: dict[str, tuple[type, type, dict]] = {
 }
 
 
-def build_hf_model(arch: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Builds, randomises and saves a tiny `arch` model into `folder`; returns it (eval mode)."""
+def build_hf_model(arch: str, folder: Path, seed: int = 0,
+                   overrides: dict | None = None) -> transformers.PreTrainedModel:
+    """Builds, randomises and saves a tiny `arch` model into `folder`; returns it (eval mode).
+    overrides: config fields that replace the tiny defaults (e.g. more heads)."""
     config_cls, model_cls, extra = ARCH_CONFIGS[arch]
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **(overrides or {})})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     gemma = arch.startswith("gemma")
@@ -88,9 +90,11 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = 600, added_tokens: tuple
     fast.save_pretrained(folder)
 
 
-def build_tiny_checkpoint(folder: Path, arch: str = "llama") -> Path:
-    """A complete tiny HF folder: a random `arch` model plus the tiny tokenizer; returns it."""
-    build_hf_model(arch, folder)
+def build_tiny_checkpoint(folder: Path, arch: str = "llama",
+                          overrides: dict | None = None) -> Path:
+    """A complete tiny HF folder: a random `arch` model (config `overrides` applied) plus the
+    tiny tokenizer; returns it."""
+    build_hf_model(arch, folder, overrides=overrides)
     save_tiny_tokenizer(folder)
     return folder
 

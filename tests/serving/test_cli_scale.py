@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 from tests.hf_models import build_tiny_checkpoint
 
 
 def metrale(*args: str, devices: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = xla_flags(devices)
     return subprocess.run([sys.executable, "-m", "serving.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=REPO)
 

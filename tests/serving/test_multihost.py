@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.conftest import CACHE, REPO
+from tests.conftest import CACHE, REPO, xla_flags
 from tests.serving.conftest import post
 
 SHAPES = ["--max-slots", "2", "--max-len", "256", "--max-prefill-len", "16"]
@@ -83,7 +83,7 @@ class Pair:
 
     def __init__(self, model: Path, tmp_path: Path):
         port = _free_port_pair()
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        env = {**os.environ, "XLA_FLAGS": xla_flags(4),
                "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
                "METRALE_JAX_CACHE": str(CACHE)}
         self.procs: list[subprocess.Popen] = []

@@ -10,6 +10,9 @@ import pytest
 
 from serving.progress import StageProgress, accepts_keyword, progress_kwargs, stage
 
+# its runtimes have the shared server's shapes: same worker, programs from the cache
+pytestmark = pytest.mark.xdist_group("tiny-server")
+
 
 def plain(fn) -> list[str]:
     out = io.StringIO()
