@@ -71,3 +71,10 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
                           bad_words=tuple(args.bad_word), logit_bias=bias,
                           ignore_eos=args.ignore_eos,
                           repetition_detection=args.repetition_detection or None, **fields)
+
+
+def add_logprobs_mode_flag(parser: argparse.ArgumentParser) -> None:
+    """Adds --logprobs-mode (raw or processed logprobs) to `generate` and `serve`."""
+    parser.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
+                        help="logprobs of the model's raw log-softmax (default, as vLLM) or of "
+                             "the processed distribution actually sampled from")
