@@ -1,8 +1,12 @@
-"""The import graph: no circles among the project's modules."""
+"""The import graph: no circles among the project's modules, and each layer loads only its own
+dependencies (the HTTP server no CLI toolkit, the library no web server)."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,7 +109,103 @@ def test_no_import_cycle_even_counting_imports_inside_functions():
     assert find_cycle(import_graph(module_level_only=False)) is None
 
 
+# (importing package, packages it must never import, counting imports inside functions too)
+FORBIDDEN = [
+    ("metrale_jax", ("serving", "bench")),
+    ("serving.http", ("serving.cli", "bench")),
+    ("serving.progress", ("serving.http", "serving.cli")),
+    ("serving.cli", ("bench",)),
+]
+
+
+def test_no_import_points_up():
+    """The layers' direction: metrale_jax imports no front end, the HTTP server not the CLI,
+    and progress.py (below both front ends) neither of them."""
+    graph = import_graph(module_level_only=False)
+    wrong = sorted(
+        (name, target) for name, targets in graph.items() for target in targets
+        for package, banned in FORBIDDEN
+        if (name == package or name.startswith(package + "."))
+        and any(target == b or target.startswith(b + ".") for b in banned))
+    assert not wrong
+
+
 def test_cycle_finder_finds_a_circle():
     """The finder itself: a -> b -> c -> a is reported, a tree is not."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+_SPY = """
+import builtins, json, sys
+WATCHED = {"rich", "textual", "matplotlib", "quart", "hypercorn"}
+importers = set()
+_import = builtins.__import__
+
+def _spy(name, globals=None, locals=None, fromlist=(), level=0):
+    top = name.split(".")[0]
+    if level == 0 and top in WATCHED:
+        importers.add((top, (globals or {}).get("__name__", "?")))
+    return _import(name, globals, locals, fromlist, level)
+
+builtins.__import__ = _spy
+"""
+
+_REPORT = """
+print(json.dumps({"loaded": sorted({m.split(".")[0] for m in sys.modules}),
+                  "importers": sorted(importers)}))
+"""
+
+
+def _imports_of(code: str) -> tuple[set[str], set[tuple[str, str]]]:
+    """Runs `code` in a fresh interpreter; returns the top-level packages then in
+    `sys.modules`, and `(package, importing module)` for each `import` statement that named
+    rich, textual, matplotlib, quart or hypercorn."""
+    script = f"{_SPY}\n{code}\n{_REPORT}"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    return set(report["loaded"]), {tuple(pair) for pair in report["importers"]}
+
+
+def _walk(package: str) -> str:
+    """Code that imports `package` and every module under it."""
+    return (f"import importlib, pkgutil, {package}\n"
+            f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
+            "    importlib.import_module(m.name)")
+
+
+CLI_TOOLKITS = {"textual", "rich", "matplotlib"}
+
+
+def test_import_serving_http_loads_no_cli_toolkit():
+    """`python -c "import serving.http"` loads neither the CLI's toolkits nor the CLI."""
+    loaded, _ = _imports_of("import serving.http\nimport sys\n"
+                            "assert 'serving.cli' not in sys.modules, 'CLI loaded'")
+    assert not loaded & CLI_TOOLKITS
+
+
+def test_http_server_never_imports_cli_toolkits():
+    """Every module under serving/http imported: textual and matplotlib are not loaded, no
+    serving module imports rich, textual or matplotlib (rich itself is loaded by flax, which
+    the model layer needs: `flax.linen.summary` imports it), and no module of the CLI is."""
+    loaded, importers = _imports_of(
+        _walk("serving.http") + "\nimport sys\n"
+        "assert not [m for m in sys.modules if m.startswith('serving.cli')], 'CLI loaded'")
+    assert "quart" in loaded and "hypercorn" in loaded  # the walk did reach the server
+    assert not loaded & {"textual", "matplotlib"}
+    ours = {(pkg, who) for pkg, who in importers
+            if pkg in CLI_TOOLKITS and who.split(".")[0] in ("serving", "metrale_jax")}
+    assert not ours
+
+
+def test_library_loads_no_web_server():
+    """`import metrale_jax`, and then every module of it, loads neither Quart nor Hypercorn
+    (nor anything of serving)."""
+    loaded, _ = _imports_of("import metrale_jax")
+    assert "jax" in loaded
+    assert not loaded & {"quart", "hypercorn", "serving"}
+    loaded, importers = _imports_of(_walk("metrale_jax"))
+    assert not loaded & {"quart", "hypercorn", "serving"}
+    assert not {pair for pair in importers if pair[0] in ("quart", "hypercorn")}
