@@ -23,28 +23,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metrale_jax.config import ModelConfig
-from metrale_jax.engine import Engine, EngineConfig, SlotSettings
-from metrale_jax.models.transformer import Transformer
-
-DEFAULT_SHAPE = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                            rope_theta=100000.0, tie_word_embeddings=True,
-                            max_position_embeddings=8192)
-
-
-def random_model(cfg: ModelConfig = DEFAULT_SHAPE):
-    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-
-
-def engine_config(args, slots: int, cache_dir: str | None) -> EngineConfig:
-    return EngineConfig(max_slots=slots, max_len=args.max_len, max_prefill_len=args.max_prefill,
-                        max_prefill_batch=min(args.prefill_batch, slots),
-                        decode_steps=args.decode_steps, compilation_cache_dir=cache_dir)
+from bench.engine_common import DEFAULT_SHAPE, decode_rate, engine_config, random_model
+from metrale_jax.engine import Engine, SlotSettings
 
 
 def timed(fn, repeat: int) -> float:
@@ -56,23 +39,6 @@ def timed(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
-
-
-def decode_rate(engine: Engine, active: int, steps: int) -> float:
-    """Aggregate decode tokens/s with `active` slots busy."""
-    state = engine.init_decode_state()
-    items = [(s, [1] * 16, SlotSettings()) for s in range(active)]
-    state, _ = engine.add(state, items)
-    mask = np.arange(engine.config.max_slots) < active
-    for _ in range(2):
-        state, out = engine.step(state, mask)
-    jax.block_until_ready(out.tokens)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, out = engine.step(state, mask)
-    jax.block_until_ready(out.tokens)
-    dt = time.perf_counter() - t0
-    return active * steps * engine.config.decode_steps / dt
 
 
 SAMPLED = {"temperature": 1.0}

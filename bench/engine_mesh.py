@@ -29,7 +29,7 @@ def child(args, mesh: str) -> dict:
     import jax
     import numpy as np
 
-    from bench.engine import DEFAULT_SHAPE, decode_rate, engine_config, random_model
+    from bench.engine_common import DEFAULT_SHAPE, decode_rate, engine_config, random_model
     from metrale_jax.engine import Engine, SlotSettings
 
     graphdef, params = random_model()

@@ -3,8 +3,8 @@
     python bench/serve.py --url http://127.0.0.1:8000 --concurrency 1 8 32 --requests 64 \\
         --prompt-len 128 --output-len 128
 
-is `metrale bench` with the same flags (`metrale bench --help` lists them; serving/cli_bench.py
-and serving/bench_load.py do the work). Only talks to the URL it is given.
+is `metrale bench` with the same flags (`metrale bench --help` lists them; serving/cli/bench.py
+and serving/cli/bench_load.py do the work). Only talks to the URL it is given.
 """
 
 from __future__ import annotations

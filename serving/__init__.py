@@ -1,9 +1,8 @@
-"""The OpenAI-compatible HTTP server (Quart on Hypercorn), its metrics and the `metrale` CLI.
+"""Metrale's front ends over `metrale_jax`: the OpenAI-compatible HTTP server (`serving.http`)
+and the `metrale` command line (`serving.cli`), with `progress.py`, the stage-progress
+callbacks both use. May import metrale_jax; nothing in metrale_jax imports serving.
 
-    from serving.server import ServerThread, serve
-    from serving.settings import ServerSettings
+    from serving.http.server import ServerThread, serve
+    from serving.http.settings import ServerSettings
     serve(ServerSettings(model="default", port=8000))      # blocks; SIGTERM drains
-
-A thin async layer over `metrale_jax.scheduler`: it validates, tokenizes, submits and streams;
-it never touches JAX.
 """

@@ -1,4 +1,8 @@
-"""Device side: every jit-compiled program lives here (see engine/engine.py)."""
+"""Device side: every jit-compiled program lives here (see engine/engine.py).
+
+May import models, config and errors; never scheduler, text or weights (a checkpoint's
+placement reaches the loader as a callable).
+"""
 
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.engine import Engine

@@ -1,4 +1,7 @@
-"""Host side: requests, slots, the batching loop thread, detokenizing and stops."""
+"""Host side: requests, slots, the batching loop thread, detokenizing and stops.
+
+May import engine, text, config and errors; never weights (it is handed a loaded engine).
+"""
 
 from metrale_jax.scheduler.events import (
     Cancelled,

@@ -1,4 +1,5 @@
 """Text in and out of the model: tokenizers, the incremental detokenizer, chat templates.
+Imports only errors (and the tokenizer libraries): nothing of the models or the engine.
 
 tokenizer = load_tokenizer("checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf")  # or a folder
 template = ChatTemplate.for_tokenizer(tokenizer)

@@ -13,23 +13,22 @@ arrays. This package imports nothing from the engine: the hook is just a callabl
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ModelNotFoundError
 from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
+from metrale_jax.weights.loaded import Checkpoint, Format
+
+__all__ = ["Checkpoint", "Format", "ShardingsHook", "load_checkpoint", "resolve"]
 
 log = logging.getLogger(__name__)
-
-Format = Literal["hf", "gguf", "orbax"]
 
 ShardingsHook = Callable[[ModelConfig, str], Any]
 """`hook(config, dtype) -> shardings or None`: called with the model's config and the params
@@ -37,37 +36,6 @@ dtype name before any weight is read. For an orbax checkpoint its result (see
 `orbax_store.Shardings`: a function of the params' pure dict of `ShapeDtypeStruct`s, or a
 pytree of shardings) says where each param is restored; the other formats load on the default
 device (the engine places them) and ignore it. It may raise to refuse the model."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """A loaded model: everything the engine and the text layer need.
-
-    gguf_metadata: for a GGUF source, its key-value metadata (kept so `convert` can store the
-    tokenizer); None otherwise.
-
-    graphdef/params: the split NNX `Transformer` (params on the default device, in `dtype`).
-    tokenizer: a `metrale_jax.text.Tokenizer`; chat_template: its source or None.
-    generation_config: defaults from the checkpoint (eos ids, temperature, ...).
-    """
-
-    name: str
-    path: Path
-    format: Format
-    config: ModelConfig
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    tokenizer: Any
-    chat_template: str | None
-    generation_config: dict[str, Any]
-    dtype: str
-    gguf_metadata: dict[str, Any] | None = None
-
-    @property
-    def num_params(self) -> int:
-        """The number of parameters."""
-        import jax
-        return sum(x.size for x in jax.tree.leaves(self.params))
 
 
 def resolve(model: str | Path) -> tuple[Path, Format]:

@@ -32,6 +32,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, check_dtype
 from metrale_jax.errors import CheckpointError
+from metrale_jax.weights.loaded import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,6 @@ def load_orbax(path: Path, dtype: str | None = None, shardings: Shardings | None
     with `metrale_jax.engine.sharding.param_shardings`.
     """
     from metrale_jax.models.transformer import abstract_model
-    from metrale_jax.weights.checkpoint import Checkpoint
 
     if dtype is not None:
         check_dtype(dtype)

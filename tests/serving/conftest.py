@@ -42,8 +42,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tiny_model):
-    from serving.server import ServerThread
-    from serving.settings import ServerSettings
+    from serving.http.server import ServerThread
+    from serving.http.settings import ServerSettings
     settings = ServerSettings(
         model=str(tiny_model), served_model_name=MODEL, port=0, max_slots=8, max_len=MAX_LEN,
         engine_options={"max_prefill_len": 64}, max_body_bytes=256 * 1024,

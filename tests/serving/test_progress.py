@@ -71,8 +71,8 @@ def test_runtime_reports_its_stages_and_the_hooks_steps(tiny_model, monkeypatch)
     steps come through inside the runtime's "loading weights" and "compiling" stages."""
     from metrale_jax.engine import Engine
     from metrale_jax.weights import checkpoint
-    from serving.runtime import ModelRuntime
-    from serving.settings import ServerSettings
+    from serving.http.runtime import ModelRuntime
+    from serving.http.settings import ServerSettings
     from tests.serving.conftest import MAX_LEN
 
     real_load, real_warmup = checkpoint.load_checkpoint, Engine.warmup
@@ -109,8 +109,8 @@ def test_runtime_fails_when_warmup_fails(tiny_model, monkeypatch):
     """An engine whose warmup raises leaves the runtime "failed" with that error (so /health
     stays 503 and requests get `load_failed`), never "ready"."""
     from metrale_jax.engine import Engine
-    from serving.runtime import ModelRuntime
-    from serving.settings import ServerSettings
+    from serving.http.runtime import ModelRuntime
+    from serving.http.settings import ServerSettings
     from tests.serving.conftest import MAX_LEN
 
     def warmup(self, workers=2, progress=None):

@@ -1,0 +1,48 @@
+"""`Checkpoint`: a loaded model, the one record every checkpoint reader returns.
+
+Below both `checkpoint.py` (which resolves a name and picks the reader) and the readers that
+build one (`orbax_store.py`), so neither imports the other for it; imports only config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from flax import nnx
+
+from metrale_jax.config import ModelConfig
+
+Format = Literal["hf", "gguf", "orbax"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A loaded model: everything the engine and the text layer need.
+
+    gguf_metadata: for a GGUF source, its key-value metadata (kept so `convert` can store the
+    tokenizer); None otherwise.
+
+    graphdef/params: the split NNX `Transformer` (params on the default device, in `dtype`).
+    tokenizer: a `metrale_jax.text.Tokenizer`; chat_template: its source or None.
+    generation_config: defaults from the checkpoint (eos ids, temperature, ...).
+    """
+
+    name: str
+    path: Path
+    format: Format
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    tokenizer: Any
+    chat_template: str | None
+    generation_config: dict[str, Any]
+    dtype: str
+    gguf_metadata: dict[str, Any] | None = None
+
+    @property
+    def num_params(self) -> int:
+        """The number of parameters."""
+        import jax
+        return sum(x.size for x in jax.tree.leaves(self.params))

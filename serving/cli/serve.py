@@ -1,0 +1,121 @@
+"""`metrale serve`: the OpenAI-compatible HTTP server (serving/http) until SIGTERM/SIGINT,
+with the stages of loading as progress and its URL printed when ready; multi-host: one
+process per host, process 0 serves the API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from metrale_jax.errors import MetraleError
+from serving.cli.sampling import add_logprobs_mode_flag
+from serving.cli.scale import add_scale_flags, engine_options, init_distributed, shape_flag
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Runs the OpenAI-compatible HTTP server until SIGTERM/SIGINT; prints its URL when ready."""
+    if args.max_slots < 0 or args.max_len < 0 or args.max_len == 1:
+        raise MetraleError("--max-slots must be ≥ 1 and --max-len ≥ 2 (0: chosen by the "
+                           "memory plan)")
+    pid, processes = init_distributed(args)
+    if processes == 1:
+        return _serve(args, 0, 1)
+    # Multi-host: every way out is os._exit, since jax.distributed's shutdown barrier would
+    # wait for processes that may be gone (metrale_jax/scheduler/multihost.py).
+    from metrale_jax.scheduler.multihost import exit_now
+    code = 1
+    try:
+        code = _serve(args, pid, processes)
+    except MetraleError as e:
+        print(f"metrale: error: {e.message}", file=sys.stderr)
+        code = 2
+    except BaseException as e:
+        print(f"metrale: failed: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        exit_now(code)
+    return code
+
+
+def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
+    from serving.http.server import serve
+    from serving.http.settings import ServerSettings
+    options = {"logprobs_mode": args.logprobs_mode, **engine_options(args)}
+    if args.max_prefill_len is not None:
+        options["max_prefill_len"] = args.max_prefill_len
+    settings = ServerSettings(
+        model=args.model, served_model_name=args.served_model_name, host=args.host,
+        port=args.port, max_slots=shape_flag(args.max_slots),
+        max_len=shape_flag(args.max_len), dtype=args.dtype, process_id=pid,
+        num_processes=processes,
+        engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout or None, grace_period=args.grace_period,
+        max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser)
+    from serving.progress import StageProgress
+    for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.scheduler.multihost"):
+        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    print(f"metrale: loading {args.model} ...", file=sys.stderr)
+    progress = StageProgress()
+
+    def ready(url: str) -> None:
+        progress.close()
+        if pid == 0:
+            print(f"metrale: serving {settings.model_name!r} at {url}/v1 (Ctrl-C to stop)",
+                  flush=True)
+        else:
+            print(f"metrale: process {pid} of {processes} ready at {url} (/health only; "
+                  "process 0 serves the API)", flush=True)
+
+    try:
+        serve(settings, on_ready=ready, progress=progress)
+    except OSError as e:  # the port is taken, or the host is not ours
+        raise MetraleError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    finally:
+        progress.close()
+    print("metrale: stopped", file=sys.stderr)
+    return 0
+
+
+def _parser_flags(parser: argparse.ArgumentParser) -> None:
+    from serving.http import reasoning
+    from serving.http.tools import parsers
+    parser.add_argument("--tool-call-parser", default="auto",
+                        choices=[*parsers.CHOICES, *parsers.ALIASES],
+                        help="the tool-call format of the model's output (default: from the "
+                             "chat template)")
+    parser.add_argument("--reasoning-parser", default="auto",
+                        choices=[*reasoning.CHOICES, *reasoning.ALIASES],
+                        help="split the model's thinking into reasoning_content (default: "
+                             "'think' when the chat template knows <think>)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `metrale serve`."""
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    srv.add_argument("--model", default="default", help="'default' or a checkpoint path")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model id clients use (default: the --model argument)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any)")
+    srv.add_argument("--max-slots", type=int, default=8,
+                     help="decode slots B (0 = as many as fit: the memory plan)")
+    srv.add_argument("--max-len", type=int, default=2048,
+                     help="context length S (0 = chosen by the memory plan)")
+    srv.add_argument("--max-prefill-len", type=int, default=None,
+                     help="largest prefill bucket (a power of two; default the engine's)")
+    srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                     help="params and compute dtype (default float32)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                     help="larger request bodies get 413")
+    srv.add_argument("--request-timeout", type=float, default=600.0,
+                     help="default per-request timeout in seconds (0 = none)")
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="requests that may wait for a slot; beyond: 503 with Retry-After")
+    srv.add_argument("--grace-period", type=float, default=30.0,
+                     help="seconds in-flight requests get after SIGTERM")
+    add_logprobs_mode_flag(srv)
+    _parser_flags(srv)
+    add_scale_flags(srv)
+    srv.set_defaults(func=cmd_serve)

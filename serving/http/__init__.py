@@ -1,0 +1,5 @@
+"""The OpenAI-compatible HTTP server: Quart on Hypercorn (`server.py`), the app and its hooks
+(`app.py`), one module per API group under `routes/`, the protocol, streaming, tool calls and
+reasoning. A thin async layer over `metrale_jax.scheduler` that never touches JAX; may import
+metrale_jax and serving.progress, never serving.cli (nor rich, textual or matplotlib).
+"""

@@ -1,0 +1,124 @@
+"""`create_app(settings)`: the Quart app of the OpenAI-compatible server.
+
+The routes live in serving/http/routes/, one module per API group (OpenAI's chat/completions,
+completions and models; tokenize/detokenize; health, metrics and stats); here: the request
+hooks (request id, body limit, API key, multi-host followers) and the error handlers.
+Every answer carries `x-request-id`; every error is `{"error": {"message", "type", "param",
+"code"}}` (and is noted in the stats' error log). Loading and warmup start with the app
+(`before_serving`); /health is 503 until the model is ready. A multi-host follower (process
+id > 0) answers only /health.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+
+from quart import Quart, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from metrale_jax.errors import MetraleError
+from serving.http.bodies import error_response, json_response
+from serving.http.errors import (
+    AuthenticationError,
+    InternalError,
+    MethodNotAllowedError,
+    NotFoundError,
+    PayloadTooLargeError,
+    error_body,
+)
+from serving.http.routes import register_all
+from serving.http.runtime import ModelRuntime
+from serving.http.settings import ServerSettings
+from serving.http.state import ServerState
+
+log = logging.getLogger(__name__)
+
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+IGNORED_HEADER = "x-metrale-ignored-fields"
+
+
+def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) -> Quart:
+    """The server's app; `runtime` may be given pre-built (tests), else it loads on startup."""
+    app = Quart("metrale")
+    app.config.update(MAX_CONTENT_LENGTH=settings.max_body_bytes, RESPONSE_TIMEOUT=None,
+                      BODY_TIMEOUT=60, PROVIDE_AUTOMATIC_OPTIONS=False)
+    state = ServerState(settings, runtime)
+    app.extensions["metrale"] = state
+
+    @app.before_serving
+    async def _start() -> None:
+        if state.runtime.state == "starting":
+            state.runtime.start()
+
+    @app.after_serving
+    async def _stop() -> None:
+        state.runtime.stop()
+
+    @app.before_request
+    async def _before() -> None:
+        g.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if settings.process_id != 0 and request.path != "/health":  # a multi-host follower
+            raise NotFoundError(
+                f"process {settings.process_id} of {settings.num_processes} of a multi-host "
+                "server answers only /health; send API requests to process 0")
+        length = request.content_length
+        if length is not None and length > settings.max_body_bytes:
+            raise PayloadTooLargeError(f"the request body has {length} bytes; the limit is "
+                                       f"{settings.max_body_bytes}")
+        if settings.api_key and request.path.startswith(PROTECTED):
+            auth = request.headers.get("authorization", "")
+            scheme, _, key = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    key.strip().encode(), settings.api_key.encode()):
+                raise AuthenticationError()
+
+    @app.after_request
+    async def _after(response: Response) -> Response:
+        response.headers["x-request-id"] = getattr(g, "request_id", "") or uuid.uuid4().hex
+        ignored = getattr(g, "ignored_fields", None)
+        if ignored:
+            response.headers[IGNORED_HEADER] = ", ".join(ignored)
+        return response
+
+    def _record(status: int, error_type: str, message: str) -> None:
+        state.errors.record(status, error_type, message, getattr(g, "request_id", None))
+
+    @app.errorhandler(MetraleError)
+    async def _metrale_error(e: MetraleError) -> Response:
+        if e.status >= 500 and e.status != 503:
+            log.error("request %s: %s", getattr(g, "request_id", "?"), e.message)
+        _record(e.status, e.error_type, e.message)
+        return error_response(e)
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(e: HTTPException) -> Response:
+        status = e.code or 500
+        _record(status, "http_error", f"{request.method} {request.path}: {e.name}")
+        if status == 404:
+            return error_response(NotFoundError(f"no route {request.method} {request.path}"))
+        if status == 405:
+            return error_response(MethodNotAllowedError(
+                f"method {request.method} is not allowed on {request.path}"))
+        if status == 413:
+            return error_response(PayloadTooLargeError(
+                f"the request body is over the limit of {settings.max_body_bytes} bytes"))
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return json_response(error_body(e.description or e.name, kind), status)
+
+    @app.errorhandler(Exception)
+    async def _bug(e: Exception) -> Response:
+        log.error("request %s failed", getattr(g, "request_id", "?"), exc_info=e)
+        _record(500, "server_error", f"internal server error ({type(e).__name__})")
+        return error_response(InternalError(
+            f"internal server error ({type(e).__name__}); request id "
+            f"{getattr(g, 'request_id', '?')}"))
+
+    register_all(app, state)
+    return app
+
+
+def server_state(app: Quart) -> ServerState:
+    """The `ServerState` of an app made by `create_app`."""
+    return app.extensions["metrale"]

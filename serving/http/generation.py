@@ -1,0 +1,208 @@
+"""`Generation`: the scheduler requests behind one HTTP request (n choices per prompt).
+
+It submits every choice, merges their event streams into one `(choice index, event)` stream,
+updates the metrics, and maps terminal events that are not a normal finish to the server's
+errors. `cancel()` (client gone, error in a sibling choice) frees every slot at the scheduler's
+next iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from metrale_jax.errors import MetraleError
+from metrale_jax.scheduler import (
+    Cancelled,
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    TimedOut,
+    Token,
+    TokenLogprob,
+)
+from serving.http.errors import InternalError, RequestTimeoutError, UnavailableError
+from serving.http.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    prompt_index: int
+    prompt_tokens: int
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    completion_tokens: int = 0
+    last_token_at: float | None = None
+
+    @property
+    def output(self) -> str:
+        """The generated text."""
+        return "".join(self.text)
+
+
+class Generation:
+    """The engine requests of one HTTP request.
+
+    Args:
+        runtime: the `ModelRuntime` (its scheduler must be ready).
+        metrics: the app's `Metrics`.
+        prompts: token ids of each prompt; each gets `n` choices, indexed prompt-major.
+        params: the `SamplingParams` of one choice; choice i of a prompt gets `seed + i`.
+        timeout: seconds until the request ends with a timeout (None = none).
+        request_id: the HTTP request id; engine requests get `<id>-<index>`.
+    """
+
+    def __init__(self, runtime: Any, metrics: Metrics, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams, n: int, timeout: float | None, request_id: str):
+        self.runtime = runtime
+        self.metrics = metrics
+        self.timeout = timeout
+        self.arrived = time.monotonic()
+        self.requests: list[GenerationRequest] = []
+        self.choices: list[ChoiceState] = []
+        for p, ids in enumerate(prompts):
+            for i in range(n):
+                sp = params
+                if params.seed is not None and i:
+                    sp = dataclasses.replace(params, seed=params.seed + i)
+                index = len(self.requests)
+                self.requests.append(GenerationRequest.make(
+                    ids, sp, timeout=timeout, request_id=f"{request_id}-{index}"))
+                self.choices.append(ChoiceState(index, p, len(ids)))
+        self.handles: list[Any] = []
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens counted once per prompt (as OpenAI counts them)."""
+        seen: dict[int, int] = {c.prompt_index: c.prompt_tokens for c in self.choices}
+        return sum(seen.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        """Generated tokens over every choice."""
+        return sum(c.completion_tokens for c in self.choices)
+
+    def check(self, prompt_param: str = "messages") -> None:
+        """Validates every request against the engine (context length, token ids).
+
+        prompt_param: the request field a prompt error points at ("messages" or "prompt").
+        """
+        for r in self.requests:
+            try:
+                self.runtime.scheduler.check(r)
+            except MetraleError as e:
+                if e.param in ("messages", "prompt"):
+                    e.param = prompt_param
+                raise
+
+    def submit(self) -> None:
+        """Queues every choice; on a failure (queue full) cancels those already queued."""
+        loop = asyncio.get_running_loop()
+        try:
+            for r in self.requests:
+                self.handles.append(self.runtime.scheduler.submit(r, loop=loop))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """Cancels every unfinished choice (safe to call more than once)."""
+        for h in self.handles:
+            h.cancel()
+        for t in self._tasks:
+            t.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[ChoiceState, Event]]:
+        """Every choice's events, merged in arrival order; raises on an error event.
+
+        `Token` events update the choice before they are yielded; a `Finished` event sets its
+        finish reason. A timeout, shutdown or failure raises the server error it maps to.
+        """
+        queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+        async def pump(i: int, handle: Any) -> None:
+            try:
+                async for event in handle:
+                    queue.put_nowait((i, event))
+            finally:
+                queue.put_nowait((i, None))
+
+        self._tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(self.handles)]
+        open_ = len(self._tasks)
+        try:
+            while open_:
+                i, event = await queue.get()
+                if event is None:
+                    open_ -= 1
+                    continue
+                choice = self.choices[i]
+                self._account(choice, event)
+                error = self._error(event)
+                if error is not None:
+                    raise error
+                yield choice, event
+        finally:
+            self.cancel()
+            for t in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    def _account(self, choice: ChoiceState, event: Event) -> None:
+        m = self.metrics
+        now = time.monotonic()
+        if isinstance(event, Token):
+            n = len(event.token_ids)
+            if choice.last_token_at is None:
+                m.ttft.observe(now - self.arrived)
+            else:
+                m.tpot.observe((now - choice.last_token_at) / max(n, 1))
+            choice.last_token_at = now
+            choice.token_ids.extend(event.token_ids)
+            choice.completion_tokens += n
+            choice.text.append(event.text)
+            choice.logprobs.extend(event.logprobs)
+        elif isinstance(event, Finished):
+            choice.text.append(event.text)
+            choice.finish_reason = event.finish_reason
+            choice.stop_reason = event.stop_reason
+            choice.completion_tokens = event.completion_tokens
+            m.request_success.labels(finished_reason=event.finish_reason).inc()
+        if isinstance(event, (Finished, Cancelled, TimedOut)):
+            m.prompt_tokens.inc(event.prompt_tokens)
+            m.generation_tokens.inc(event.completion_tokens)
+
+    def _error(self, event: Event) -> MetraleError | None:
+        if isinstance(event, TimedOut):
+            return RequestTimeoutError(f"the request timed out after {self.timeout:g} s")
+        if isinstance(event, Cancelled):
+            if event.reason == "shutdown":
+                return UnavailableError("the server is shutting down; retry",
+                                        code="shutting_down")
+            return UnavailableError("the request was cancelled", code="cancelled")
+        if isinstance(event, Failed):
+            if event.is_user_error:
+                return event.error
+            log.error("generation %s failed", self.requests[0].request_id,
+                      exc_info=event.error)
+            return InternalError(f"generation failed: {type(event.error).__name__}")
+        return None
+
+    def observe_end(self) -> None:
+        """Records the request's end-to-end latency."""
+        self.metrics.e2e.observe(time.monotonic() - self.arrived)

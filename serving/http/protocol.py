@@ -1,0 +1,339 @@
+"""The request bodies of the OpenAI API (plus vLLM's extras) as pydantic models.
+
+Validation happens here, before anything is queued: wrong types and out-of-range values become
+`InvalidParameterError` (HTTP 400) naming the parameter (`SamplingParams` checks the rest).
+Parameters the engine does not implement yet are accepted only at their default value;
+anything else is a 400 that says so.
+Unknown fields are kept (`extra="allow"`) so the app can log them and name them in a header.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+
+from metrale_jax.errors import InvalidParameterError
+from metrale_jax.scheduler import SamplingParams
+from serving.http.tools.request import ToolChoice, parse_tool_choice, template_tool_calls
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Body(BaseModel):
+    """Common config: unknown fields allowed (reported), no coercion of strings to numbers."""
+
+    model_config = ConfigDict(extra="allow", strict=False, protected_namespaces=())
+
+    def unknown_fields(self) -> list[str]:
+        """Names of fields this server does not know (ignored)."""
+        return sorted((self.model_extra or {}).keys())
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: `include_usage` adds a final chunk with the usage."""
+
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """The sampling fields shared by chat and completions."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    # vLLM's extras
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    bad_words: list[str] | None = None
+    typical_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    return_token_ids: bool = False
+    # llama.cpp's samplers
+    dry_multiplier: Annotated[float, Field(ge=0)] | None = None
+    dry_base: Annotated[float, Field(ge=1)] | None = None
+    dry_allowed_length: Annotated[int, Field(ge=0)] | None = None
+    dry_penalty_last_n: Annotated[int, Field(ge=-1)] | None = None
+    dry_sequence_breakers: list[str] | None = None
+    top_n_sigma: float | None = None
+    xtc_threshold: Annotated[float, Field(ge=0, le=1)] | None = None
+    xtc_probability: Annotated[float, Field(ge=0, le=1)] | None = None
+    # Metrale's extensions: the LZ penalty, repetition detection, and seconds until the
+    # request ends with a timeout error.
+    lz_penalty: Annotated[float, Field(ge=0)] | None = None
+    repetition_detection: StrictBool | dict[str, Any] | None = None
+    # Constrained decoding (besides chat's response_format): the whole output matches a
+    # regex, is one of `choice`, or follows a Lark / GBNF `grammar` (llguidance).
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    timeout: Annotated[float, Field(gt=0)] | None = None
+
+    def _check_unsupported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameterError("stream_options is only allowed when stream is true",
+                                        param="stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The scheduler's `SamplingParams` of one choice."""
+        stop = self.stop if self.stop is not None else ()
+
+        def given(name: str, default: Any) -> Any:
+            value = getattr(self, name)
+            return default if value is None else value
+
+        extras = {name: getattr(self, name) for name in (
+            "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+            "dry_sequence_breakers", "top_n_sigma", "xtc_threshold", "xtc_probability",
+            "lz_penalty", "typical_p") if getattr(self, name) is not None}
+        if extras.get("dry_sequence_breakers") is not None:
+            extras["dry_sequence_breakers"] = tuple(extras["dry_sequence_breakers"])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_k=max(0, self.top_k or 0),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            min_p=0.0 if self.min_p is None else float(self.min_p),
+            seed=self.seed,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            repetition_penalty=float(given("repetition_penalty", 1.0)),
+            presence_penalty=float(given("presence_penalty", 0.0)),
+            frequency_penalty=float(given("frequency_penalty", 0.0)),
+            logit_bias=dict(self.logit_bias or {}),
+            min_tokens=self.min_tokens,
+            bad_words=tuple(self.bad_words or ()),
+            repetition_detection=self.repetition_detection,
+            constraint=self.constraint(),
+            **extras,
+        )
+
+    def constraint(self) -> Any:
+        """The request's one output constraint (`scheduler.constraints.Constraint`) or None;
+        raises `InvalidParameterError` when it has more than one or a malformed one."""
+        rf = getattr(self, "response_format", None)
+        if rf is None and self.regex is None and self.choice is None and self.grammar is None:
+            return None
+        from metrale_jax.scheduler.constraints import Constraint
+        return Constraint.from_request(
+            response_format=rf.model_dump(exclude_none=True) if rf is not None else None,
+            regex=self.regex, choice=self.choice, grammar=self.grammar)
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed answer ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    """One message; `content` is a string or an array of content parts."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: `text`, `json_object`, or `json_schema` with `json_schema: {name,
+    schema, strict}` (constrained decoding)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # extensions: tool calls left unparsed; thinking on/off (as chat_template_kwargs has it)
+    # and a budget of thinking tokens (serving/http/chat_output.py, serving/http/reasoning.py)
+    suppress_tool_call: bool = False
+    enable_thinking: bool | None = None
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None
+
+    def validate_semantics(self) -> None:
+        """Cross-field checks and unsupported parameters (raises `InvalidParameterError`)."""
+        self._check_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs requires logprobs to be true",
+                                        param="top_logprobs")
+        self.tool_choice_spec()
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens, else None (to the end of the context)."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The scheduler's `logprobs` setting: None = none, k = the top-k alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_choice_spec(self) -> ToolChoice:
+        """`tools`, `tool_choice` and `parallel_tool_calls`, validated (400s name the field)."""
+        return parse_tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra chat template variables: `chat_template_kwargs`, and `enable_thinking`."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template wants them (content parts joined into text,
+        tool call arguments as dicts)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": _content_text(m.content, i)}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            if m.tool_calls is not None:
+                msg["tool_calls"] = template_tool_calls(m.tool_calls, i)
+            for key in ("reasoning_content", "reasoning"):  # earlier thinking, if sent back
+                if isinstance((m.model_extra or {}).get(key), str):
+                    msg[key] = m.model_extra[key]
+            out.append(msg)
+        return out
+
+
+def _content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        param = f"messages[{index}].content[{j}]"
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("image_url", "input_image", "image"):
+            raise InvalidParameterError("image inputs are not supported yet: this server "
+                                        "serves text-only models", param=param)
+        elif kind in ("input_audio", "audio_url", "file", "video_url"):
+            raise InvalidParameterError(f"{kind} content parts are not supported: only text",
+                                        param=param)
+        else:
+            raise InvalidParameterError(f"unknown content part type {kind!r}", param=param)
+    return "".join(texts)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: prompt is a string, strings, token ids or lists of token ids."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+    def validate_semantics(self) -> None:
+        """Cross-field checks and unsupported parameters (raises `InvalidParameterError`)."""
+        self._check_unsupported()
+        if self.best_of not in (None, self.n):
+            raise InvalidParameterError("best_of is not supported yet: omit it or set it to n",
+                                        param="best_of")
+        if self.suffix:
+            raise InvalidParameterError("suffix is not supported yet", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise InvalidParameterError(
+                "echo with logprobs is not supported yet (prompt logprobs)", param="echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise InvalidParameterError("prompt must not be empty", param="prompt")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one entry each: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """max_tokens, OpenAI's default 16 for completions."""
+        return self.max_tokens or 16
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM): a `prompt`, or chat `messages` rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM)."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+def parse(model: type[_Body], body: Any) -> Any:
+    """Validates a decoded JSON body; pydantic errors become one `InvalidParameterError`."""
+    if not isinstance(body, dict):
+        raise InvalidParameterError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err.get("loc", ())
+        param = ".".join(str(x) for x in loc if not _is_type_tag(x)) or None
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "missing":
+            raise InvalidParameterError(f"missing required parameter {param!r}",
+                                        param=param) from None
+        got = err.get("input")
+        raise InvalidParameterError(f"invalid value for {param!r}: {msg} (got {_short(got)})",
+                                    param=param) from None
+
+
+def _is_type_tag(x: Any) -> bool:
+    # pydantic puts union member names (`str`, `list[int]`, ...) into error locations.
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "dict") or "[" in x
+                                   or x.startswith(("constrained-", "function-")))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+

@@ -1,0 +1,21 @@
+"""The API's routes, one module per API group, each with a `register(app, state)`: `openai`
+(chat/completions, completions, models), `tokenize` (/tokenize, /detokenize), `admin`
+(/health, /metrics, /v1/metrale/stats). A new API (Responses, Anthropic Messages, an
+adapter, the web page) is a new module here, added to `GROUPS`. Routes may import the rest of
+serving.http, never app.py (which imports them).
+"""
+
+from __future__ import annotations
+
+from quart import Quart
+
+from serving.http.routes import admin, openai, tokenize
+from serving.http.state import ServerState
+
+GROUPS = (openai, tokenize, admin)
+
+
+def register_all(app: Quart, state: ServerState) -> None:
+    """Adds every group's routes to `app`."""
+    for group in GROUPS:
+        group.register(app, state)

@@ -1,0 +1,44 @@
+"""vLLM's utility routes: POST /tokenize (a prompt, or messages through the chat template)
+and POST /detokenize."""
+
+from __future__ import annotations
+
+from quart import Quart, Response
+
+from metrale_jax.errors import InvalidParameterError
+from serving.http.bodies import json_response, read_body
+from serving.http.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from serving.http.state import ServerState
+
+
+def register(app: Quart, state: ServerState) -> None:
+    """Adds /tokenize and /detokenize to `app`."""
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        req = await read_body(TokenizeRequest)
+        rt = state.require_ready()
+        state.check_model(req.model)
+        if req.messages is not None:
+            chat = ChatCompletionRequest(messages=req.messages)
+            text = rt.render_chat(chat.template_messages(),
+                                  add_generation_prompt=req.add_generation_prompt)
+            ids = rt.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        elif req.prompt is not None:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = rt.tokenizer.encode(req.prompt, add_special_tokens=add)
+        else:
+                raise InvalidParameterError("give a prompt or messages", param="prompt")
+        strs = [rt.token_str(i) for i in ids] if req.return_token_strs else None
+        return json_response({"count": len(ids), "max_model_len": rt.max_len, "tokens": ids,
+                              "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        req = await read_body(DetokenizeRequest)
+        rt = state.require_ready()
+        state.check_model(req.model)
+        vocab = rt.tokenizer.vocab_size
+        if any(t >= vocab for t in req.tokens):
+                raise InvalidParameterError(f"token ids must be in [0, {vocab})", param="tokens")
+        return json_response({"prompt": rt.decode(req.tokens, skip_special_tokens=False)})

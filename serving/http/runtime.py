@@ -1,0 +1,253 @@
+"""`ModelRuntime`: the loaded model, its scheduler and text helpers, as the HTTP layer sees it.
+
+Loading (weights, engine, warmup) runs in a worker thread started by `start()`; the event loop
+keeps answering (/health is 503) until `state` is "ready". Nothing here runs JAX on the event
+loop: the scheduler's thread owns the engine.
+
+Multi-host (`settings.num_processes > 1`, metrale_jax/scheduler/multihost.py): once the engine
+is placed, every process joins the side channel. Process 0 runs the scheduler over a
+`LeaderEngine` (each engine call reaches every process); the others warm up and replay the
+calls in a thread, and their app answers only /health. A lost peer fails every request with
+`PeerLostError` and ends the process with `multihost.EXIT_PEER_LOST`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from metrale_jax.errors import ChatTemplateError, MetraleError
+from serving.http.settings import ServerSettings
+from serving.progress import ProgressFn, accepts_keyword, progress_kwargs, stage
+
+log = logging.getLogger(__name__)
+
+LOADING, COMPILING = "loading weights", "compiling"
+PEER_LOST_GRACE_S = 2.0  # seconds the error answers get before a process with a lost peer exits
+STATES = ("starting", "loading", "warming_up", "ready", "failed", "draining", "stopped")
+
+
+class ModelRuntime:
+    """One served model: checkpoint, tokenizer, chat template and `Scheduler`.
+
+    state: one of STATES. error: the loading failure, when state is "failed".
+    progress: `(stage, done, total)` reports of the "loading weights" and "compiling" stages
+        (the CLI's bars); steps inside a stage are reported where the library offers a hook.
+    """
+
+    def __init__(self, settings: ServerSettings, progress: ProgressFn | None = None):
+        self.settings = settings
+        self.progress = progress
+        self.state = "starting"
+        self.error: BaseException | None = None
+        self.checkpoint: Any = None
+        self.scheduler: Any = None
+        self.engine_config: Any = None  # the engine's resolved EngineConfig, once built
+        self.created = int(time.time())
+        self._template: Any = None
+        self._token_strs: dict[int, str] = {}
+        self._loaded = threading.Event()
+        self._channel: Any = None  # the multi-host side channel, when there is one
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> threading.Thread:
+        """Starts loading and warmup in a background thread."""
+        thread = threading.Thread(target=self._load, name="metrale-load", daemon=True)
+        thread.start()
+        return thread
+
+    def _load(self) -> None:
+        from metrale_jax.engine import Engine, EngineConfig
+        from metrale_jax.engine.placement import PlacementHook
+        from metrale_jax.scheduler import Scheduler
+        from metrale_jax.weights.checkpoint import load_checkpoint
+        s = self.settings
+        try:
+            self.state = "loading"
+            log.info("loading %s", s.model)
+            # The mesh and memory plan are decided before any weight is read (see
+            # engine/placement.py); an impossible configuration fails here.
+            hook = PlacementHook(EngineConfig(max_slots=s.max_slots, max_len=s.max_len,
+                                              **s.engine_options))
+            with stage(self.progress, LOADING) as step:
+                ckpt = load_checkpoint(s.model, s.dtype, shardings=hook, **progress_kwargs(
+                    load_checkpoint, step if self.progress else None))
+            self.checkpoint = ckpt
+            engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
+                            placement=hook.placement)
+            # The engine holds its own (per-layer, placed) params: drop the loaded stacked
+            # copy, which would double the params' memory beside the memory plan.
+            self.checkpoint = ckpt = dataclasses.replace(ckpt, params=None)
+            self.engine_config = engine.config
+            if s.num_processes > 1:
+                engine = self._join_processes(engine)
+                if engine is None:  # a follower: replaying process 0's calls
+                    return
+            self.state = "warming_up"
+            with stage(self.progress if s.warmup else None, COMPILING) as step:
+                hook = step if self.progress and accepts_keyword(engine.warmup, "progress") \
+                    else None
+                self.scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
+                                           max_waiting=s.max_waiting, warmup=s.warmup,
+                                           warmup_progress=hook)
+                self.scheduler.wait_ready()
+                if self.scheduler.startup_error is not None:
+                    raise self.scheduler.startup_error
+            if self.state == "warming_up":
+                self.state = "ready"
+            log.info("ready: %s (%d programs compiled)", s.model_name, engine.compile_count)
+        except BaseException as e:
+            log.error("loading %s failed: %s", s.model, e, exc_info=not isinstance(
+                e, MetraleError))
+            self.error = e
+            self.state = "failed"
+        finally:
+            self._loaded.set()
+
+    def _join_processes(self, engine: Any) -> Any:
+        """Opens the multi-host side channel. Process 0: returns its engine wrapped so that
+        every call reaches the other processes. A follower: warms up, starts replaying
+        process 0's calls in a thread, and returns None."""
+        from metrale_jax.scheduler import multihost
+        s = self.settings
+        self._channel = multihost.connect(s.process_id, s.num_processes, self._peer_lost)
+        if s.process_id == 0:
+            return multihost.LeaderEngine(engine, self._channel)
+        self.state = "warming_up"
+        if s.warmup:
+            with stage(self.progress, COMPILING) as step:
+                engine.warmup(**progress_kwargs(engine.warmup, step if self.progress else None))
+        threading.Thread(target=self._follow, args=(engine,), name="metrale-follower",
+                         daemon=True).start()
+        self.state = "ready"
+        log.info("process %d of %d: ready, replaying process 0's engine calls", s.process_id,
+                 s.num_processes)
+        return None
+
+    def _follow(self, engine: Any) -> None:
+        """A follower's thread: replays process 0's calls; exits the process when it ends."""
+        from metrale_jax.scheduler import multihost
+        try:
+            multihost.run_follower(engine, self._channel)
+        except BaseException as e:
+            if self.state == "stopped":  # our own stop() hung up
+                return
+            log.error("%s", e.message if isinstance(e, MetraleError) else e,
+                      exc_info=not isinstance(e, MetraleError))
+            self.error, self.state = e, "failed"
+            multihost.exit_now(multihost.EXIT_PEER_LOST)
+        log.info("process 0 stopped the server; process %d exits", self.settings.process_id)
+        self.state = "stopped"
+        multihost.exit_now(0)
+
+    def _peer_lost(self, error: BaseException) -> None:
+        """A peer is gone. Process 0: every request fails with `error`, then the process exits
+        (after `PEER_LOST_GRACE_S`, time for the answers to go out). A follower exits now."""
+        from metrale_jax.scheduler import multihost
+        if self.state == "stopped":  # our own stop hung up
+            return
+        self.error, self.state = error, "failed"
+        if self.settings.process_id != 0:
+            multihost.exit_now(multihost.EXIT_PEER_LOST)
+        if self.scheduler is not None:
+            self.scheduler.abort(error)
+        multihost.exit_soon(multihost.EXIT_PEER_LOST, PEER_LOST_GRACE_S)
+
+    async def wait_loaded(self) -> None:
+        """Waits (without blocking the loop) until loading has succeeded or failed."""
+        await asyncio.to_thread(self._loaded.wait)
+
+    @property
+    def ready(self) -> bool:
+        """True when requests are served."""
+        return self.state == "ready"
+
+    def stop(self) -> None:
+        """Stops the scheduler: every in-flight request ends with Cancelled("shutdown")."""
+        if self.state != "failed":
+            self.state = "stopped"
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self._channel is not None:  # multi-host: the others stop too (or see us go)
+            self._channel.close()
+
+    # ---- model facts -------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self.checkpoint.tokenizer
+
+    @property
+    def max_len(self) -> int:
+        """The context length S (the memory plan's choice when the settings leave it None)."""
+        if self.engine_config is not None:
+            return self.engine_config.max_len
+        return self.settings.max_len or 0
+
+    @property
+    def max_slots(self) -> int:
+        """The decode slots B (the memory plan's choice when the settings leave it None)."""
+        if self.engine_config is not None:
+            return self.engine_config.max_slots
+        return self.settings.max_slots or 0
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The generation config's eos ids, else the model's, else the tokenizer's."""
+        ckpt = self.checkpoint
+        gen = ckpt.generation_config.get("eos_token_id")
+        if gen is not None:
+            return tuple(gen) if isinstance(gen, list) else (int(gen),)
+        return tuple(ckpt.config.eos_token_ids) or tuple(ckpt.tokenizer.eos_token_ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """`system_fingerprint`: the backend configuration (changes when outputs may)."""
+        dtype = self.checkpoint.dtype if self.checkpoint is not None else "none"
+        return f"fp_metrale_{dtype}_{self.max_slots}x{self.max_len}"
+
+    def model_card(self) -> dict[str, Any]:
+        """The /v1/models entry of the served model."""
+        card: dict[str, Any] = {"id": self.settings.model_name, "object": "model",
+                                "created": self.created, "owned_by": "metrale",
+                                "root": str(self.settings.model), "parent": None,
+                                "max_model_len": self.max_len}
+        return card
+
+    # ---- text --------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, **kwargs: Any) -> str:
+        """Renders `messages` with the model's chat template (raises ChatTemplateError)."""
+        if self._template is None:
+            from metrale_jax.text import ChatTemplate
+            source = self.checkpoint.chat_template
+            if not source:
+                raise ChatTemplateError(f"model {self.settings.model_name!r} has no chat "
+                                        "template; use /v1/completions")
+            tok = self.tokenizer
+            self._template = ChatTemplate(source, bos_token=tok.bos_token,
+                                          eos_token=tok.eos_token)
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools, **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Chat prompt ids: the rendered template, encoded without extra special tokens."""
+        return self.tokenizer.encode(self.render_chat(messages, **kwargs),
+                                     add_special_tokens=False)
+
+    def token_str(self, token_id: int) -> str:
+        """One token's text (special tokens included), cached."""
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_strs[token_id] = text
+        return text
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,57 @@
+"""`ServerSettings`: everything `create_app` and `serve` need, in one frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """How the HTTP server loads its model and talks to clients.
+
+    model: "default", a HF folder, a .gguf file or an orbax checkpoint (`load_checkpoint`).
+    served_model_name: the id clients send as `model` and /v1/models lists (None = `model`).
+    host, port: where Hypercorn listens (port 0 = any free port).
+    max_slots, max_len, dtype: the engine's decode slots B, context length S and dtype (B or S
+        None: chosen by the memory plan, see metrale_jax/engine/placement.py).
+    engine_options: further `EngineConfig` fields (max_prefill_len, decode_steps, mesh,
+        memory_gb, ...).
+    process_id, num_processes: this process among those of a multi-host server (process 0
+        serves the API; the others run the same engine calls and answer only /health).
+    max_waiting: bound of the scheduler's waiting queue (beyond it: 503 + Retry-After).
+    api_key: when set, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`.
+    max_body_bytes: request bodies above this get 413.
+    request_timeout: default per-request deadline in seconds (None = none); a request's own
+        `timeout` field overrides it.
+    grace_period: seconds in-flight requests may run after SIGTERM before they are cancelled.
+    warmup: compile every engine shape before /health turns 200.
+    tool_call_parser: the tool-call format of the model's output (`hermes`, `llama3_json`,
+        `mistral`), "none", or "auto" (from the chat template); serving/http/tools/parsers.py.
+    reasoning_parser: the thinking format (`think`, `deepseek_r1`), "none", or "auto" (`think`
+        when the chat template knows `<think>`); serving/http/reasoning.py.
+    """
+
+    model: str = "default"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_slots: int | None = 8
+    max_len: int | None = 2048
+    dtype: str | None = None
+    engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_waiting: int = 256
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout: float | None = 600.0
+    grace_period: float = 30.0
+    warmup: bool = True
+    process_id: int = 0
+    num_processes: int = 1
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+
+    @property
+    def model_name(self) -> str:
+        """The name the served model answers to."""
+        return self.served_model_name or str(self.model)

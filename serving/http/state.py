@@ -1,0 +1,92 @@
+"""`ServerState`: what one app instance shares between its handlers (runtime, metrics, drain)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from metrale_jax.errors import ModelNotFoundError
+from serving.http.errors import UnavailableError
+from serving.http.metrics import Metrics
+from serving.http.runtime import ModelRuntime
+from serving.http.settings import ServerSettings
+from serving.http.stats import ErrorLog
+
+log = logging.getLogger(__name__)
+
+
+class ServerState:
+    """The app's runtime, metrics, error log, in-flight count and draining flag.
+
+    `active` counts generation requests accepted and not yet answered; `drain()` waits for it
+    to reach zero (graceful shutdown), then cancels what is left.
+    """
+
+    def __init__(self, settings: ServerSettings, runtime: ModelRuntime | None = None):
+        self.settings = settings
+        self.runtime = runtime or ModelRuntime(settings)
+        self.metrics = Metrics(lambda: self.runtime)
+        self.errors = ErrorLog()
+        self.draining = False
+        self.active = 0
+        self._idle: asyncio.Event | None = None
+
+    def _idle_event(self) -> asyncio.Event:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            if self.active == 0:
+                self._idle.set()
+        return self._idle
+
+    def begin(self) -> None:
+        """A generation request was accepted."""
+        self.active += 1
+        self.metrics.requests_active.set(self.active)
+        self._idle_event().clear()
+
+    def end(self) -> None:
+        """A generation request was answered (or its client left)."""
+        self.active -= 1
+        self.metrics.requests_active.set(self.active)
+        if self.active == 0:
+            self._idle_event().set()
+
+    def require_ready(self) -> ModelRuntime:
+        """The runtime, or 503 while loading, warming up, draining or failed."""
+        rt = self.runtime
+        if self.draining or rt.state in ("draining", "stopped"):
+            raise UnavailableError("the server is shutting down", code="draining",
+                                   retry_after=5)
+        if rt.state == "failed":
+            raise UnavailableError(f"the model failed to load: {rt.error}", code="load_failed",
+                                   retry_after=30)
+        if not rt.ready:
+            raise UnavailableError(f"the model is not ready yet ({rt.state})",
+                                   code="not_ready", retry_after=5)
+        return rt
+
+    def check_model(self, model: str | None) -> None:
+        """400 unless `model` is the served model's name (or omitted)."""
+        name = self.settings.model_name
+        if model is not None and model != name:
+            raise ModelNotFoundError(f"the model {model!r} does not exist; this server "
+                                     f"serves {name!r}")
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Stops accepting, lets in-flight requests finish within `grace` s, cancels the rest.
+
+        Cancelled requests still get an answer (503 body, or an error event then [DONE]).
+        """
+        grace = self.settings.grace_period if grace is None else grace
+        self.draining = True
+        idle = self._idle_event()
+        log.info("draining: %d request(s) in flight, grace %.0f s", self.active, grace)
+        try:
+            await asyncio.wait_for(idle.wait(), grace)
+        except TimeoutError:
+            log.warning("grace period over: cancelling %d request(s)", self.active)
+        await asyncio.to_thread(self.runtime.stop)
+        try:
+            await asyncio.wait_for(idle.wait(), 10.0)
+        except TimeoutError:
+            log.error("%d request(s) still unanswered after shutdown", self.active)

@@ -1,0 +1,55 @@
+"""`metrale models` as a subprocess: the table, --json, and its exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from serving.cli.models import human_bytes, human_count
+from tests.serving.conftest import ROOT, run_main
+from tests.weights.test_catalog import write_small_gguf
+
+
+def models(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serving.cli", "models", *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+
+
+def test_lists_the_checkpoints_folder(tmp_path):
+    write_small_gguf(tmp_path / "small.gguf")
+    (tmp_path / "junk.bin").write_bytes(b"\0" * 10)
+    r = models(env={"METRALE_CHECKPOINTS": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    head, junk, why, small = r.stdout.splitlines()  # sorted by name
+    assert head.split() == ["NAME", "FORMAT", "ARCHITECTURE", "DTYPE", "SIZE", "PARAMS"]
+    assert small.split()[:4] == ["small.gguf", "gguf", "qwen2", "F16"]
+    assert small.split()[-1] == "23.4k"  # 64*64 + 300*64 + 64 parameters
+    assert junk.split()[:2] == ["junk.bin", "-"] and junk.split()[-2:] == ["B", "?"]
+    assert "not a .gguf file" in why
+
+
+def test_json_and_dir(tmp_path):
+    write_small_gguf(tmp_path / "small.gguf")
+    r = models("--dir", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    [entry] = json.loads(r.stdout)
+    assert entry["num_params"] == 64 * 64 + 300 * 64 + 64
+    assert entry["path"] == str(tmp_path / "small.gguf") and entry["format"] == "gguf"
+
+
+def test_empty_folder_and_bad_dir(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("METRALE_CHECKPOINTS", str(tmp_path))
+    code, out, err = run_main(capsys, "models")
+    assert code == 0 and out == ""
+    assert "no checkpoints in" in err and "metrale pull" in err
+    code, _, err = run_main(capsys, "models", "--dir", str(tmp_path / "nope"))
+    assert code == 2 and "no such folder" in err and "Traceback" not in err
+
+
+def test_human_units():
+    assert human_bytes(512) == "512 B" and human_bytes(98_362_432) == "98.4 MB"
+    assert human_count(134_515_008) == "134.5M" and human_count(None) == "?"
+    assert human_count(999) == "999" and human_count(7_241_732_096) == "7.2B"
