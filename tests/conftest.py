@@ -36,6 +36,10 @@ import pytest  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("METRALE_TEST_JAX_CACHE", REPO / ".jax_cache" / "tests"))
 CACHE.mkdir(parents=True, exist_ok=True)
+# Every engine the tests build (in this process, in the CLI and notebook subprocesses) reads
+# its cache folder from METRALE_JAX_CACHE: this one, never the user's ~/.cache/metrale/jax, so
+# a clean clone's run starts cold and shares one cache across its processes.
+os.environ["METRALE_JAX_CACHE"] = str(CACHE)
 jax.config.update("jax_compilation_cache_dir", str(CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

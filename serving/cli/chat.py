@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 from collections.abc import Generator
 from pathlib import Path
@@ -264,6 +265,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--max-tokens must be ≥ 1")
     if args.url and args.model:
         raise InvalidParameterError("give --url (a server) or --model (in process), not both")
+    # Ctrl-C stops an answer: Python turns SIGINT into KeyboardInterrupt only when the parent
+    # did not ignore it, and a job started in the background by a shell script inherits it
+    # ignored; the chat asks for it back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     backend: Backend
     if args.url:
         client = Client(args.url, api_key=args.api_key, timeout=args.timeout)

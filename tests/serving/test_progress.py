@@ -78,7 +78,7 @@ def test_runtime_reports_its_stages_and_the_hooks_steps(tiny_model, monkeypatch)
     real_load, real_warmup = checkpoint.load_checkpoint, Engine.warmup
 
     def load(model, dtype=None, progress=None, **kwargs):
-        ckpt = real_load(model, dtype)
+        ckpt = real_load(model, dtype, **kwargs)  # the placement hook included
         progress(1, 2)
         progress(2, 2)
         return ckpt

@@ -205,10 +205,13 @@ def holding_server():
 def test_sigint_stops_the_answer_and_the_session_goes_on(holding_server, tmp_path):
     url = f"http://127.0.0.1:{holding_server.server_address[1]}"
     saved = tmp_path / "c.json"
+    # started with SIGINT ignored, as a shell script's background job (or a CI runner) does:
+    # the chat must still stop its answer on Ctrl-C
     proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "chat", "--url", url],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         proc.stdin.write(f"first\nsecond\n/save {saved}\n".encode())
         proc.stdin.flush()
