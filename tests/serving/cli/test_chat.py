@@ -205,13 +205,15 @@ def holding_server():
 def test_sigint_stops_the_answer_and_the_session_goes_on(holding_server, tmp_path):
     url = f"http://127.0.0.1:{holding_server.server_address[1]}"
     saved = tmp_path / "c.json"
-    # started with SIGINT ignored, as a shell script's background job (or a CI runner) does:
-    # the chat must still stop its answer on Ctrl-C
-    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "chat", "--url", url],
+    # started with SIGINT ignored (kept across exec), as a shell script's background job or a
+    # CI runner starts it: the chat must still stop its answer on Ctrl-C
+    chat_cmd = [sys.executable, "-m", "serving.cli", "chat", "--url", url]
+    ignoring = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", ignoring, *chat_cmd],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
         proc.stdin.write(f"first\nsecond\n/save {saved}\n".encode())
         proc.stdin.flush()
