@@ -55,6 +55,28 @@ def default_gguf() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def default_llm(default_gguf):
+    """The default model as an `LLM` (4 slots of 512, prefill buckets up to 64 so that a
+    longer prompt is chunked, batches of 2), shared by the tests in the "default-model"
+    xdist group."""
+    from metrale_jax import LLM
+    llm = LLM("default", max_slots=4, max_len=512, max_prefill_len=64, max_prefill_batch=2)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
+def default_transformers(default_gguf):
+    """transformers' own reading of the default GGUF (dequantized to float32, eval mode):
+    the reference of the "default-model" tests, loaded once (about 20 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(default_gguf.parent),
+                                                gguf_file=default_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
 # ---- which xdist worker runs what (`make test`: `-n 2 --dist loadgroup`) --------------------
 # A session fixture that compiles an engine is built once per worker that needs it, so the
 # tests sharing one go to the same worker: a test using one of these fixtures joins that

@@ -19,16 +19,12 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def models(default_gguf):
-    from transformers import AutoModelForCausalLM
+pytestmark = pytest.mark.xdist_group("default-model")  # shares the session's default LLM
 
-    from metrale_jax import LLM
-    ours = LLM("default")
-    ref = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent),
-                                               gguf_file=default_gguf.name,
-                                               torch_dtype=torch.float32).eval()
-    return ours, ref
+
+@pytest.fixture(scope="module")
+def models(default_llm, default_transformers):
+    return default_llm, default_transformers
 
 
 def _prompts(ours) -> list[list[int]]:

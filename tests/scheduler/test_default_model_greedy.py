@@ -14,17 +14,12 @@ from metrale_jax import SamplingParams
 LENGTHS = (1, 15, 16, 17, 150)
 
 
-@pytest.fixture(scope="module")
-def pair(default_gguf):
-    from transformers import AutoModelForCausalLM
+pytestmark = pytest.mark.xdist_group("default-model")  # shares the session's default LLM
 
-    from metrale_jax import LLM
-    llm = LLM("default", max_slots=4, max_len=512, max_prefill_len=64, max_prefill_batch=2)
-    ref = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent),
-                                               gguf_file=default_gguf.name,
-                                               dtype=torch.float32).eval()
-    yield llm, ref
-    llm.close()
+
+@pytest.fixture(scope="module")
+def pair(default_llm, default_transformers):
+    return default_llm, default_transformers
 
 
 def _prompt(llm, n: int) -> list[int]:
