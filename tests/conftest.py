@@ -83,15 +83,16 @@ def default_transformers(default_gguf):
 # fixture's group, any other test its file's group (as with `--dist loadfile`). The runtime
 # tests that build their own server on the shared server's shapes join its group
 # (`pytestmark = pytest.mark.xdist_group("tiny-server")`), so their programs come from the
-# persistent cache the shared server filled.
+# persistent cache the shared server filled; the default-model fidelity tests, which share
+# `default_llm` and `default_transformers`, form the "default-model" group the same way.
 SHARED_ENGINE_GROUPS = {"server": "tiny-server", "tiny_engine": "tiny-engine",
                         "tiny_llm": "tiny-llm"}
 
 
 def pytest_itemcollected(item) -> None:
     """Gives a test its xdist group: its own marker's, a shared engine's, or its file's.
-    (Here, during collection: xdist reads the groups before `collection_modifyitems` hooks
-    of a conftest run.)"""
+    (xdist turns the group into a `@group` suffix of the test's id, which pytest 9 ignores:
+    hence `pytest<9` in the test extra.)"""
     if item.get_closest_marker("xdist_group") is not None:
         return
     fixtures = getattr(item, "fixturenames", ())

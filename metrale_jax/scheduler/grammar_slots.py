@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class GrammarSlots:
-    """Matchers, in-flight counts and the host mask buffer of one engine's slots.
+    """Matchers and in-flight counts of one engine's slots, and each step's host masks.
 
     Args:
         tokenizer: the model's tokenizer (the llguidance tokenizer is built from it on first
@@ -46,7 +46,6 @@ class GrammarSlots:
         self._compiler = None
         self._lock = threading.Lock()
         self.inflight = np.zeros(num_slots, np.int64)
-        self._mask: np.ndarray | None = None
 
     @property
     def compiler(self):
@@ -118,12 +117,14 @@ class GrammarSlots:
                 ready.append((seq.matcher, i))
         if not ready and not forced:
             return active, None
-        if self._mask is None:
-            self._mask = np.full((B, words_for(self.vocab_size)), -1, np.int32)
-        self._mask[:] = -1
+        # A new array every step, never a buffer refilled in place: on CPU the device array
+        # made from it may share its memory, and the step it feeds can still be queued when
+        # the next step's masks are written (a constrained row then sampled from a mask of
+        # the step after: tokens its grammar forbids).
+        mask = np.full((B, words_for(self.vocab_size)), -1, np.int32)
         if ready:
             from metrale_jax.scheduler.constraints import Matcher
-            Matcher.fill_many(ready, self._mask)
+            Matcher.fill_many(ready, mask)
         for i, token in forced:
-            self._mask[i] = pack([token], self.vocab_size).view(np.int32)
-        return active, self._mask.view(np.uint32)
+            mask[i] = pack([token], self.vocab_size).view(np.int32)
+        return active, mask.view(np.uint32)

@@ -505,3 +505,26 @@ def test_compiled_constraints_are_cached(hf_compiler):
     assert not np.array_equal(a, b)
     hf_compiler.matcher(constraint).fill(a[0])
     np.testing.assert_array_equal(a, b)
+
+
+def test_each_step_gets_its_own_mask_array(hf_tokenizer):
+    """The masks of consecutive decode steps never share memory: on CPU a device array made
+    from a host array may alias it, and a step can still be queued when the next step's masks
+    are written (a refilled buffer let a constrained row sample a token its grammar forbids)."""
+    import types
+
+    import jax
+
+    from metrale_jax.scheduler.grammar_slots import GrammarSlots
+
+    slots = GrammarSlots(hf_tokenizer, vocab_size=hf_tokenizer.vocab_size + 40, num_slots=2)
+    matcher, _ = slots.start(Constraint("regex", "[ab]{3,8}"))
+    sequences = [types.SimpleNamespace(matcher=matcher, thinking=None), None]
+    _, first = slots.step_inputs(sequences)
+    on_device = jax.device_put(first)
+    _, second = slots.step_inputs(sequences)
+    assert not np.shares_memory(first, second)
+    second[:] = 0xFFFFFFFF  # what refilling one buffer in place would do
+    assert np.array_equal(np.asarray(on_device), first)
+    allowed = np.unpackbits(first[0].view(np.uint8), bitorder="little").astype(bool)
+    assert not allowed[hf_tokenizer.vocab_size:].any()  # padding ids stay forbidden
