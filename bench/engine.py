@@ -221,16 +221,13 @@ def main() -> None:
     rows.append(("warmup (this run's cache)", f"{time.perf_counter() - t0:.1f} s, "
                  f"{engine.compile_count} programs"))
     cfg = engine.config
-    for P in cfg.prefill_buckets:
-        for Bp in sorted({1, cfg.max_prefill_batch}):
-            tokens = np.ones((Bp, P), np.int32)
-            lengths = np.full(Bp, P, np.int32)
-            from metrale_jax.engine.state import settings_to_arrays
-            sampling = settings_to_arrays([SlotSettings()] * Bp, Bp, engine.vocab_size)
-            dt = timed(lambda t=tokens, ln=lengths, s=sampling: jax.block_until_ready(
-                engine.prefill(engine.params, t, ln, s).first.tokens), 3 if P < 256 else 1)
-            rows.append((f"prefill P={P} batch {Bp}", f"{Bp * P / dt:,.0f} tok/s "
-                         f"({dt * 1000:.0f} ms)"))
+    for C in cfg.chunk_buckets:  # one prompt of C tokens: one ragged step's chunk
+        def prefill(C=C) -> None:
+            state = engine.init_decode_state()
+            _, first = engine.add(state, [(0, [1] * C, SlotSettings())])
+            np.asarray(first.tokens)
+        dt = timed(prefill, 3 if C < 256 else 1)
+        rows.append((f"prefill chunk C={C}", f"{C / dt:,.0f} tok/s ({dt * 1000:.0f} ms)"))
 
     def ttft() -> None:
         state = engine.init_decode_state()

@@ -19,6 +19,7 @@ from metrale_jax.engine.sharding import check_mesh_shape, parse_mesh
 from metrale_jax.errors import InvalidParameterError
 
 DEFAULT_CACHE_DIR = "~/.cache/metrale/jax"
+DEFAULT_PAGE_SIZE = 16
 
 
 def _default_cache_dir() -> str:
@@ -36,11 +37,16 @@ class EngineConfig:
     min_prefill_bucket / max_prefill_len: prefill buckets are the powers of two between them
         (both powers of two); longer prompts are prefilled in chunks of `max_prefill_len`.
         None = 512, or the largest power of two below `max_len` when that is smaller.
-    max_prefill_batch: the largest number of prompts prefilled in one call; batches are padded
-        to 1, 2, 4, ... up to it. None = min(4, max_slots).
-    max_batched_prefill_len: buckets up to this length are prefilled in batches; longer
-        prompts one at a time (on CPU a long prompt fills the machine alone, and each batch
-        size is one more program to compile).
+        The ragged step's prefill tier: `max_prefill_len` is the token budget of one step's
+        chunk (prompt tokens riding along the decode rows); the chunk buckets are
+        `chunk_buckets` (min_prefill_bucket x 4^i, then max_prefill_len).
+    max_prefill_batch: R, the most prompts whose prefill may end in one step (their first
+        tokens sampled in it). None = min(4, max_slots).
+    max_batched_prefill_len: kept for compatibility (the first engine batched prefills of
+        buckets up to it); the ragged step packs prompts of any length.
+    page_size: ps, positions per KV page (None = 16).
+    num_pages: N, pages in the pool including the null page (None = chosen by the memory
+        plan, or enough for every slot to hold max_len when the memory is unknown).
     decode_steps: k, decode steps per compiled `generate` call (k > 1: multi-step decode).
     dtype: params and activations; cache_dtype: the KV cache (None = `dtype`).
     compilation_cache_dir: JAX's persistent compilation cache folder (None = off); defaults to
@@ -69,6 +75,8 @@ class EngineConfig:
     logprobs_mode: str = "raw"
     mesh: tuple[int, int] | str | None = None
     memory_gb: float | None = None
+    page_size: int | None = None
+    num_pages: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -91,6 +99,15 @@ class EngineConfig:
                 isinstance(self.memory_gb, bool) or not isinstance(self.memory_gb, int | float)
                 or not 0 < self.memory_gb < math.inf):
             raise bad("memory_gb", "must be a positive number of GiB")
+        if self.page_size is None:
+            object.__setattr__(self, "page_size", DEFAULT_PAGE_SIZE)
+        if (not isinstance(self.page_size, int) or isinstance(self.page_size, bool)
+                or self.page_size <= 0 or self.page_size & (self.page_size - 1)):
+            raise bad("page_size", "must be a power of two")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int)
+                                           or isinstance(self.num_pages, bool)
+                                           or self.num_pages < 2):
+            raise bad("num_pages", "must be an integer >= 2 (page 0 is reserved) or None")
         if self.max_slots is None or self.max_len is None:  # to be chosen by the memory plan
             self._check_unresolved(bad)
             return
@@ -206,6 +223,43 @@ class EngineConfig:
             out.append(b)
             b *= 2
         return (*out, self.max_slots)
+
+    @property
+    def chunk_buckets(self) -> tuple[int, ...]:
+        """The chunk sizes C of the ragged step's prefill tier: min_prefill_bucket x 4^i
+        below max_prefill_len, then max_prefill_len."""
+        out, c = [], self.min_prefill_bucket
+        while c < self.max_prefill_len:
+            out.append(c)
+            c *= 4
+        return (*out, self.max_prefill_len)
+
+    def chunk_bucket_for(self, tokens: int) -> int:
+        """The smallest chunk bucket holding `tokens` (<= max_prefill_len)."""
+        for c in self.chunk_buckets:
+            if tokens <= c:
+                return c
+        raise ValueError(f"{tokens} tokens exceed the chunk budget {self.max_prefill_len}")
+
+    @property
+    def mixed_row_buckets(self) -> tuple[int, ...]:
+        """The decode rows computed by a step that also runs a chunk: the smallest active-slot
+        bucket and all slots (a chunk costs more than the rows it rides with, so two
+        buckets, not all of them, keep the compiled grid small)."""
+        return tuple(sorted({self.active_slot_buckets[0], self.max_slots}))
+
+    @property
+    def pages_per_seq(self) -> int:
+        """PPS: page-table columns, the pages of a `max_len` sequence."""
+        return -(-self.max_len // self.page_size)
+
+    @property
+    def resolved_num_pages(self) -> int:
+        """N: `num_pages`, or (unset) enough pages for every slot to hold max_len, plus the
+        null page."""
+        if self.num_pages is not None:
+            return self.num_pages
+        return self.max_slots * self.pages_per_seq + 1
 
     def rows_for(self, used: int) -> int:
         """The smallest active-slot bucket holding slots `0 .. used-1`."""

@@ -1,24 +1,22 @@
 """`Engine`: the compiled steps over a fixed grid of shapes, and the host API that feeds them.
 
+The KV cache is paged (`engine/pages.py`, `models/paged_attention.py`): per layer a pool of
+pages `[N, ps, 2K, D]`; the engine's `PageTable` (host) gives each row the pages its tokens
+need and takes them back when the row is released.
+
 Compiled programs (each compiled once, ahead of time, and kept in `self._compiled`):
-- `prefill_insert` per (bucket P, prefill batch Bp; batches only for P up to
-  `max_batched_prefill_len`): prompts prefilled, their first tokens sampled with the slots'
-  settings (so time to first token is one prefill), and written into the slots of the donated
-  `DecodeState`: DESIGN.md's `prefill` and `insert` fused into one program, which halves the
-  programs to compile;
-- `chunk` (P = max_prefill_len, one prompt): a chunk of a prompt longer than the largest
-  bucket, prefilled straight into its slot's cache, attending to the earlier chunks there;
-- `generate` per active-slot bucket n (1, 2, 4, ... B): `decode_steps` decode steps of
-  slots 0 .. n-1, state donated;
+- `step` per (n, C, k) (`program_grid`): one ragged step (`steps.ragged_step`) in which the
+  decode rows 0 .. n-1 each decode a token and a chunk of C prompt tokens (pieces of any
+  prompts, C a chunk bucket) is prefilled along, the prompts that end in it sampling their
+  first tokens; without a chunk (C = 0) `decode_steps` decode steps run in one call;
 - `init`: an empty `DecodeState`.
 `warmup()` compiles them all; afterwards `compile_count` stays flat for any request mix (every
-request parameter is data). JAX's persistent compilation cache (EngineConfig.
-compilation_cache_dir) makes a second start fast. The contract's separate `prefill(...)` and
-`insert(...)` stay available (for disaggregated or custom loops); they compile on first use.
+request parameter, page table and piece layout is data). JAX's persistent compilation cache
+(EngineConfig.compilation_cache_dir) makes a second start fast.
 
-Host API for the batching loop: `add(state, items) -> (state, first)` and
-`step(state, active) -> (state, out)`; both return small `StepOutput`s to copy
-asynchronously.
+Host API for the batching loop: `step(state, active, allowed, pieces) -> (state, out)`
+(a small `StepOutput` to copy asynchronously) and `release(slot)`; `add(state, items)` prefills
+whole prompts with no row decoding (scripts, tests, benchmarks).
 
 Placement (`engine/placement.py`): before anything is allocated the engine chooses its mesh
 and memory plan (which may choose max_slots / max_len); params are placed sharded after the
@@ -28,6 +26,8 @@ one device or a pod slice the same calls run.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -46,11 +46,13 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine import steps
 from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.pages import PageTable
 from metrale_jax.engine.placement import Placement, StepShardings, place
 from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.engine.sharding import abstract_params, shard_params
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput, settings_to_arrays
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
+from metrale_jax.models.paged_attention import attention_spans
 from metrale_jax.models.unrolled import LayerParams, split_layers
 
 log = logging.getLogger(__name__)
@@ -124,39 +126,25 @@ class Engine:
         self._lock = threading.Lock()
         N, B = cfg.num_top_logprobs, cfg.max_slots
         self.vocab_size = model_config.vocab_size
-        sc = steps.SampleConfig(N, cfg.logprobs_mode)
+        self.num_pages = cfg.resolved_num_pages
+        self.pages = PageTable(self.num_pages, cfg.page_size, B, cfg.max_len)
+        # Host mirror of each row's position (where its next token goes), for page allocation.
+        self.lengths = np.zeros(B, np.int64)
+        self.spans = attention_spans(cfg.max_len, cfg.page_size)
+        self._sc = steps.SampleConfig(N, cfg.logprobs_mode)
         sh = StepShardings(self.mesh, model_config, cfg)
         self.shardings = sh
         self.state_shardings = sh.state
-        self._all_allowed: Any = None  # `generate`'s default grammar bitmask, on the devices
-        # Out shardings are declared here; in shardings by the specs each program is lowered
-        # with (`_executable`: params and state carry theirs, host inputs are replicated).
-        ss, rep = sh.state, sh.replicated
+        self._all_allowed: dict[int, Any] = {}  # default grammar bitmasks, on the devices
+        ss = sh.state
         self._jit_init = jax.jit(
-            functools.partial(steps.init_state, model_config, B, cfg.max_len, self.cache_dtype),
+            functools.partial(steps.init_state, model_config, B, cfg.max_len, self.num_pages,
+                              cfg.page_size, self.cache_dtype),
             out_shardings=ss)
-        self._jit_prefill = jax.jit(
-            functools.partial(steps.prefill_step, self.graph, sc, self.cache_dtype),
-            out_shardings=sh.prefix)
-        self._jit_insert = jax.jit(steps.insert_step, donate_argnums=(1, 4),
-                                   out_shardings=(ss, rep))
-        self._jit_prefill_insert = jax.jit(
-            functools.partial(steps.prefill_insert_step, self.graph, sc, self.cache_dtype),
-            donate_argnums=(1, 2), out_shardings=(ss, rep))
-        self._jit_chunk = jax.jit(functools.partial(steps.chunk_step, self.graph, sc),
-                                  donate_argnums=(1, 2), out_shardings=(ss, rep))
-        self._jit_generate = {
-            n: jax.jit(functools.partial(steps.generate_step, self.graph, sc, cfg.decode_steps, n),
-                       donate_argnums=(1,), out_shardings=(ss, rep))
-            for n in cfg.active_slot_buckets}
         self._state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
             jax.eval_shape(self._jit_init), ss)
         self._params_spec = abstract_params(self.params, self.mesh)
-        self._first_spec = StepOutput(_spec((1, B), jnp.int32, rep),
-                                      _spec((1, B), jnp.float32, rep),
-                                      _spec((1, B, N), jnp.int32, rep),
-                                      _spec((1, B, N), jnp.float32, rep))
 
     # ---- compiled programs -------------------------------------------------------------
     def _executable(self, key: tuple, fn, *specs):
@@ -187,39 +175,6 @@ class Engine:
     def _sampling_spec(self, rows: int) -> SamplingState:
         return _abstract(SamplingState.host_defaults(rows, self.vocab_size))
 
-    def _prefill_exe(self, P: int, Bp: int):
-        i32 = jnp.int32
-        return self._executable(("prefill", P, Bp), self._jit_prefill, self._params_spec,
-                                _spec((Bp, P), i32), _spec((Bp,), i32), self._sampling_spec(Bp))
-
-    def _insert_exe(self, P: int, Bp: int):
-        prefix = jax.eval_shape(self._jit_prefill, self._params_spec, _spec((Bp, P), jnp.int32),
-                                _spec((Bp,), jnp.int32), self._sampling_spec(Bp))
-        return self._executable(("insert", P, Bp), self._jit_insert, prefix, self._state_spec,
-                                _spec((Bp,), jnp.int32), _spec((Bp,), jnp.int32),
-                                self._first_spec)
-
-    def _prefill_insert_exe(self, P: int, Bp: int):
-        i32 = jnp.int32
-        return self._executable(("prefill_insert", P, Bp), self._jit_prefill_insert,
-                                self._params_spec, self._state_spec, self._first_spec,
-                                _spec((Bp, P), i32), _spec((Bp,), i32), self._sampling_spec(Bp),
-                                _spec((Bp,), i32), _spec((Bp,), i32), self._mask_spec(Bp))
-
-    def _chunk_exe(self):
-        P, i32 = self.config.max_prefill_len, jnp.int32
-        scalar = _spec((), i32)
-        return self._executable(("chunk", P), self._jit_chunk, self._params_spec,
-                                self._state_spec, self._first_spec, scalar, scalar,
-                                _spec((1, P), i32), scalar, scalar, self._sampling_spec(1),
-                                self._mask_spec(1))
-
-    def _generate_exe(self, rows: int):
-        B = self.config.max_slots
-        return self._executable(("generate", self.config.decode_steps, rows),
-                                self._jit_generate[rows], self._params_spec, self._state_spec,
-                                _spec((B,), jnp.bool_), self._mask_spec(B))
-
     def _mask_spec(self, rows: int) -> jax.ShapeDtypeStruct:
         return _spec((rows, words_for(self.vocab_size)), jnp.uint32)
 
@@ -230,20 +185,46 @@ class Engine:
     def _init_exe(self):
         return self._executable(("init",), self._jit_init)
 
+    def _shape(self, n: int, chunk: int, k: int) -> steps.StepShape:
+        return steps.StepShape(n, chunk, self.config.max_prefill_batch if chunk else 0, k,
+                               self.spans)
+
+    def _step_exe(self, n: int, chunk: int, k: int):
+        """The ragged step of n decode rows, a chunk of `chunk` tokens and k decode steps."""
+        cfg, i32 = self.config, jnp.int32
+        B, shape = cfg.max_slots, self._shape(n, chunk, k)
+        fn = jax.jit(functools.partial(steps.ragged_step, self.graph, self._sc, shape),
+                     donate_argnums=(1,),
+                     out_shardings=(self.shardings.state, self.shardings.replicated))
+        chunk_spec = None
+        if chunk:
+            R, scalar = shape.finish, _spec((), i32)
+            chunk_spec = steps.ChunkInputs(
+                _spec((chunk,), i32), _spec((chunk,), i32), _spec((chunk,), i32),
+                _spec((chunk,), jnp.bool_), scalar, scalar, _spec((R,), i32), _spec((R,), i32),
+                _spec((R,), i32), self._sampling_spec(R), self._mask_spec(R))
+        return self._executable(("step", n, chunk, k), fn, self._params_spec, self._state_spec,
+                                _spec((B, cfg.pages_per_seq), i32), _spec((B,), jnp.bool_),
+                                self._mask_spec(B), chunk_spec)
+
+    def program_grid(self) -> list[tuple[int, int, int]]:
+        """The (n, chunk, k) shapes warmup compiles: decode-only steps for every active-slot
+        bucket, and steps with a chunk for every chunk bucket and mixed row bucket."""
+        cfg = self.config
+        grid = [(n, 0, cfg.decode_steps) for n in cfg.active_slot_buckets]
+        grid += [(n, c, 1) for n in cfg.mixed_row_buckets for c in cfg.chunk_buckets]
+        return grid
+
     def warmup(self, workers: int = 2,
                progress: Callable[[int, int], None] | None = None) -> float:
-        """Compiles every program (all buckets and prefill batch sizes); returns seconds.
+        """Compiles every program (`program_grid` and init); returns seconds.
 
         progress: called as `progress(done, total)` after each program is ready (from the
         calling thread), for progress bars.
         """
         t0 = time.perf_counter()
-        cfg = self.config
-        jobs = [self._init_exe, self._chunk_exe]
-        jobs += [functools.partial(self._generate_exe, n) for n in cfg.active_slot_buckets]
-        for P in cfg.prefill_buckets:
-            for Bp in cfg.prefill_batch_sizes_for(P):
-                jobs.append(functools.partial(self._prefill_insert_exe, P, Bp))
+        jobs = [self._init_exe]
+        jobs += [functools.partial(self._step_exe, *shape) for shape in self.program_grid()]
         with ThreadPoolExecutor(max(1, workers)) as pool:
             futures = [pool.submit(job) for job in jobs]
             for done, f in enumerate(as_completed(futures), 1):
@@ -256,69 +237,19 @@ class Engine:
 
     # ---- the engine contract -----------------------------------------------------------
     def init_decode_state(self) -> DecodeState:
-        """An empty `DecodeState` (all slots idle, greedy)."""
+        """An empty `DecodeState` (all rows idle, greedy); every page back in the pool."""
+        self.pages.release_all()
+        self.lengths[:] = 0
         return self._init_exe()()
 
-    def empty_first(self) -> StepOutput:
-        """A zero `StepOutput [1, B]` for `insert`/`prefill_chunk` to write first tokens into."""
-        return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding),
-                            self._first_spec)
+    def _allowed(self, rows: int, allowed: np.ndarray | None):
+        if allowed is not None:
+            return allowed
+        if rows not in self._all_allowed:
+            self._all_allowed[rows] = jax.device_put(self.all_allowed(rows),
+                                                     self.shardings.replicated)
+        return self._all_allowed[rows]
 
-    def prefill(self, params: LayerParams, tokens: np.ndarray, lengths: np.ndarray,
-                sampling: SamplingState) -> steps.Prefix:
-        """Prefills `Bp` prompts of one bucket. tokens: [Bp, P] int32 (P a bucket, Bp a
-        prefill batch size); lengths: [Bp] int32 in 1..P; sampling: [Bp] rows (see
-        `settings_to_arrays`). Returns the `Prefix` (first tokens sampled)."""
-        Bp, P = tokens.shape
-        return self._prefill_exe(P, Bp)(params, tokens, lengths, sampling)
-
-    def insert(self, prefix: steps.Prefix, state: DecodeState, slots: np.ndarray,
-               cols: np.ndarray | None = None,
-               first: StepOutput | None = None) -> tuple[DecodeState, StepOutput]:
-        """Puts `prefix` row b into slot `slots[b]` (B = padding, dropped); state donated.
-        Its first token goes to column `cols[b]` (default `slots`) of `first` ([1, B],
-        donated; default a fresh one). Returns (state, first)."""
-        Bp, P = prefix.cache.k.shape[1], prefix.cache.k.shape[3]  # k: [L, Bp, K, P, D]
-        slots = np.asarray(slots, np.int32)
-        cols = slots if cols is None else np.asarray(cols, np.int32)
-        first = self.empty_first() if first is None else first
-        return self._insert_exe(P, Bp)(prefix, state, slots, cols, first)
-
-    def prefill_chunk(self, params: LayerParams, state: DecodeState, first: StepOutput, slot: int,
-                      col: int, tokens: np.ndarray, start: int, length: int,
-                      sampling: SamplingState,
-                      allowed: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
-        """One `max_prefill_len` chunk of a long prompt into `slot` (see `steps.chunk_step`);
-        allowed: [1, ceil(V/32)] uint32, the first token's grammar bitmask (None = all)."""
-        i32 = np.int32
-        allowed = self.all_allowed(1) if allowed is None else allowed
-        return self._chunk_exe()(params, state, first, i32(slot), i32(col), tokens, i32(start),
-                                 i32(length), sampling, allowed)
-
-    def generate(self, params: LayerParams, state: DecodeState,
-                 active: np.ndarray | None = None,
-                 allowed: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
-        """`decode_steps` decode steps; state donated. Out: StepOutput [k, B].
-
-        active: [B] bool, the slots that advance (None = all; a slot not active keeps its
-        state). Only the smallest active-slot bucket covering the highest active slot is
-        computed, and attention reads the cache up to the largest active position.
-        allowed: [B, ceil(V/32)] uint32 grammar bitmasks (None = every token allowed).
-        """
-        B = self.config.max_slots
-        if active is None:
-            active = np.ones(B, np.bool_)
-        active = np.asarray(active, np.bool_)
-        if allowed is None:
-            if self._all_allowed is None:
-                self._all_allowed = jax.device_put(self.all_allowed(B),
-                                                   self.shardings.replicated)
-            allowed = self._all_allowed
-        used = np.flatnonzero(active)
-        rows = self.config.rows_for(int(used[-1]) + 1 if used.size else 1)
-        return self._generate_exe(rows)(params, state, active, allowed)
-
-    # ---- host API ------------------------------------------------------------------------
     def check_prompt(self, n: int) -> None:
         """Raises if a prompt of `n` tokens cannot be prefilled into a slot."""
         limit = self.config.max_len - 1
@@ -329,14 +260,145 @@ class Engine:
                 f"the prompt has {n} tokens, but this engine holds at most {limit} prompt "
                 f"tokens (max_len {self.config.max_len} minus one for the first generated token)")
 
-    def add(self, state: DecodeState, items: Sequence[Item]) -> tuple[DecodeState, StepOutput]:
-        """Prefills prompts into slots and samples their first tokens.
+    # ---- pages -------------------------------------------------------------------------
+    def release(self, slot: int) -> None:
+        """Returns row `slot`'s pages to the pool (its request ended or was preempted)."""
+        self.pages.release(slot)
+        self.lengths[slot] = 0
 
-        items: (slot, prompt ids, SlotSettings) with distinct slots. Prompts up to
-        `max_prefill_len` are grouped by bucket into padded batches of the prefill batch
-        sizes; longer ones are prefilled in chunks. state is donated. Returns the new state and
-        `first: StepOutput [1, B]` whose column i is item i's first token (columns
-        >= len(items) are zeros).
+    def decode_shortfall(self, active: np.ndarray) -> int:
+        """Pages the active rows need for the next `decode_steps` tokens beyond what they
+        hold."""
+        k = self.config.decode_steps
+        return sum(self.pages.shortfall(int(b), int(self.lengths[b]) + k)
+                   for b in np.flatnonzero(active))
+
+    def _ensure(self, slot: int, length: int) -> None:
+        if not self.pages.ensure(slot, length):
+            raise OutOfPagesError(f"row {slot} needs {self.pages.shortfall(slot, length)} more "
+                             f"pages; {self.pages.free_pages} free")
+
+    # ---- host API ------------------------------------------------------------------------
+    def step(self, state: DecodeState, active: np.ndarray | None = None,
+             allowed: np.ndarray | None = None,
+             pieces: Sequence[Piece] = ()) -> tuple[DecodeState, StepOutput]:
+        """One ragged step (state donated): the active rows decode and `pieces` of prompts
+        are prefilled along.
+
+        active: [B] bool, the rows that decode (None = all rows holding a sequence);
+        allowed: [B, ceil(V/32)] uint32 grammar bitmasks (None = every token allowed);
+        pieces: prompt pieces (see `Piece`); their tokens together at most max_prefill_len, at
+        most max_prefill_batch of them finishing, at most one continuing a prompt (start > 0),
+        none on an active row. Without pieces the call runs `decode_steps` steps.
+        Pages are allocated here for every position written (`OutOfPagesError` when the pool
+        cannot hold them: nothing is launched then). Returns the state and
+        StepOutput `[k, B + R]`: column b is row b's decode token, column B + r the first
+        token of the r-th finishing piece (R = max_prefill_batch with pieces, else 0).
+        """
+        cfg, B = self.config, self.config.max_slots
+        if active is None:
+            active = self.lengths > 0
+        active = np.asarray(active, np.bool_)
+        used = np.flatnonzero(active)
+        top = int(used[-1]) + 1 if used.size else 1
+        for b in used:
+            self._ensure(int(b), int(self.lengths[b]) + (1 if pieces else cfg.decode_steps))
+        if not pieces:
+            n = cfg.rows_for(top)
+            out = self._step_exe(n, 0, cfg.decode_steps)(
+                self.params, state, self.pages.table.copy(), active, self._allowed(B, allowed),
+                None)
+            self.lengths[used] = np.minimum(self.lengths[used] + cfg.decode_steps,
+                                            self.pages.pages_per_seq * cfg.page_size)
+            return out
+        chunk, finishing = self._pack(pieces, active)
+        n = next(r for r in cfg.mixed_row_buckets if top <= r)
+        C = int(chunk.tokens.shape[0])
+        # A copy of the table: on CPU a queued step may read its NumPy inputs in place, and
+        # the table changes before the next step.
+        state, out = self._step_exe(n, C, 1)(self.params, state, self.pages.table.copy(),
+                                             active, self._allowed(B, allowed), chunk)
+        self.lengths[used] = np.minimum(self.lengths[used] + 1,
+                                        self.pages.pages_per_seq * cfg.page_size)
+        for piece in finishing:
+            self.lengths[piece.slot] = piece.start + len(piece.tokens)
+        return state, out
+
+    def _pack(self, pieces: Sequence[Piece],
+              active: np.ndarray) -> tuple[steps.ChunkInputs, list[Piece]]:
+        """The chunk inputs of `pieces` (checked), pages allocated; and the finishing ones."""
+        cfg, B = self.config, self.config.max_slots
+        total = sum(len(p.tokens) for p in pieces)
+        finishing = [p for p in pieces if p.settings is not None]
+        R = cfg.max_prefill_batch
+        if not 0 < total <= cfg.max_prefill_len:
+            raise InvalidParameterError(
+                f"a step's pieces hold {total} tokens; 1 .. {cfg.max_prefill_len} fit")
+        if len(finishing) > R:
+            raise InvalidParameterError(f"{len(finishing)} prompts end in one step; at most {R}")
+        if sum(p.start > 0 for p in pieces) > 1:
+            raise InvalidParameterError("at most one piece per step may continue a prompt")
+        if len({p.slot for p in pieces}) < len(pieces):
+            raise InvalidParameterError("two pieces for one row in a step")
+        for p in pieces:
+            if not 0 <= p.slot < B or active[p.slot]:
+                raise InvalidParameterError(f"bad or decoding row {p.slot} for a piece")
+            if p.start + len(p.tokens) > cfg.max_len - 1:
+                raise ContextLengthError(f"row {p.slot}: a prompt of more than "
+                                         f"{cfg.max_len - 1} tokens")
+        need = sum(self.pages.shortfall(p.slot, p.start + len(p.tokens)) if p.start else
+                   self.pages.pages_for(p.start + len(p.tokens)) for p in pieces)
+        reusable = sum(int(self.pages.owned[p.slot]) for p in pieces if p.start == 0)
+        if need > self.pages.free_pages + reusable:
+            raise OutOfPagesError(f"the pieces need {need} pages; {self.pages.free_pages} free")
+        for p in pieces:
+            if p.start == 0:
+                self.release(p.slot)
+            self._ensure(p.slot, p.start + len(p.tokens))
+        C = cfg.chunk_bucket_for(total)
+        tokens = np.zeros(C, np.int32)
+        rows = np.full(C, -1, np.int32)
+        positions = np.zeros(C, np.int32)
+        generated = np.zeros(C, np.bool_)
+        finish_index = np.zeros(R, np.int32)
+        finish_steps = np.zeros(R, np.int32)
+        finish_rows = np.full(R, B, np.int32)
+        allowed = self.all_allowed(R)
+        ctx_row, ctx_len, at = -1, 0, 0
+        for p in pieces:
+            m = len(p.tokens)
+            tokens[at:at + m] = p.tokens
+            rows[at:at + m] = p.slot
+            positions[at:at + m] = np.arange(p.start, p.start + m)
+            if p.first_generated:
+                generated[at:at + m] = positions[at:at + m] >= p.first_generated
+            if p.start:
+                ctx_row, ctx_len = p.slot, p.start
+            at += m
+        at = 0
+        r = 0
+        for p in pieces:
+            at += len(p.tokens)
+            if p.settings is not None:
+                finish_index[r], finish_rows[r] = at - 1, p.slot
+                finish_steps[r] = p.settings.generated
+                if p.settings.first_mask is not None:
+                    allowed[r] = p.settings.first_mask
+                r += 1
+        sampling = settings_to_arrays([p.settings for p in finishing], R, self.vocab_size)
+        i32 = np.int32
+        return steps.ChunkInputs(tokens, rows, positions, generated, i32(ctx_row),
+                                 i32(ctx_len), finish_index, finish_rows, finish_steps, sampling,
+                                 allowed), finishing
+
+    def add(self, state: DecodeState, items: Sequence[Item]) -> tuple[DecodeState, StepOutput]:
+        """Prefills prompts into slots and samples their first tokens (no row decodes
+        meanwhile; the batching loop instead sends prompt pieces along its decode steps).
+
+        items: (slot, prompt ids, SlotSettings) with distinct slots; each prompt is cut into
+        pieces of at most max_prefill_len tokens and packed into ragged steps. state is
+        donated. Returns the new state and `first: StepOutput [1, B]` (NumPy) whose column i
+        is item i's first token (columns >= len(items) are zeros).
         """
         cfg, B = self.config, self.config.max_slots
         if len(items) > B:
@@ -347,56 +409,74 @@ class Engine:
                 raise InvalidParameterError(f"bad or repeated slot {slot}", param="slots")
             seen.add(slot)
             self.check_prompt(len(ids))
-        first = self.empty_first()
-        by_bucket: dict[int, list[int]] = {}
-        long: list[int] = []
-        for i, (_, ids, _) in enumerate(items):
-            if len(ids) <= cfg.max_prefill_len:
-                by_bucket.setdefault(cfg.bucket_for(len(ids)), []).append(i)
-            else:
-                long.append(i)
-        for P, idx in sorted(by_bucket.items()):
-            most = max(cfg.prefill_batch_sizes_for(P))
-            for j in range(0, len(idx), most):
-                group = idx[j:j + most]
-                Bp = cfg.batch_size_for(len(group))
-                tokens = np.zeros((Bp, P), np.int32)
-                lengths = np.ones(Bp, np.int32)
-                slots = np.full(Bp, B, np.int32)
-                cols = np.full(Bp, B, np.int32)
-                for r, i in enumerate(group):
-                    slot, ids, _ = items[i]
-                    tokens[r, :len(ids)] = ids
-                    lengths[r], slots[r], cols[r] = len(ids), slot, i
-                sampling = settings_to_arrays([items[i][2] for i in group], Bp,
-                                              self.vocab_size)
-                allowed = self.all_allowed(Bp)
-                for r, i in enumerate(group):
-                    if items[i][2].first_mask is not None:
-                        allowed[r] = items[i][2].first_mask
-                state, first = self._prefill_insert_exe(P, Bp)(
-                    self.params, state, first, tokens, lengths, sampling, slots, cols, allowed)
-        P = cfg.max_prefill_len
-        for i in long:
-            slot, ids, settings = items[i]
-            ids = np.asarray(ids, np.int32)
-            sampling = settings_to_arrays([settings], 1, self.vocab_size)
-            allowed = self.all_allowed(1)
-            if settings.first_mask is not None:
-                allowed[0] = settings.first_mask
-            for start in range(0, len(ids), P):
-                chunk = ids[start:start + P]
-                tokens = np.zeros((1, P), np.int32)
-                tokens[0, :len(chunk)] = chunk
-                state, first = self.prefill_chunk(self.params, state, first, slot, i, tokens,
-                                                  start, len(chunk), sampling, allowed)
+        queue = [(i, Piece.cut(slot, ids, settings, cfg.max_prefill_len))
+                 for i, (slot, ids, settings) in enumerate(items)]
+        work = collections.deque((i, piece) for i, cuts in queue for piece in cuts)
+        outputs: list[tuple[StepOutput, list[int]]] = []
+        idle = np.zeros(B, np.bool_)
+        while work:
+            batch, cols = plan_pieces(work, cfg.max_prefill_len, cfg.max_prefill_batch)
+            state, out = self.step(state, idle, None, batch)
+            outputs.append((out, cols))
+        first = StepOutput(np.zeros((1, B), np.int32), np.zeros((1, B), np.float32),
+                           np.zeros((1, B, cfg.num_top_logprobs), np.int32),
+                           np.zeros((1, B, cfg.num_top_logprobs), np.float32))
+        for out, cols in outputs:
+            host = out.to_numpy()
+            for r, i in enumerate(cols):
+                for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+                    getattr(first, name)[0, i] = getattr(host, name)[0, B + r]
         return state, first
 
-    def step(self, state: DecodeState, active: np.ndarray | None = None,
-             allowed: np.ndarray | None = None) -> tuple[DecodeState, StepOutput]:
-        """`generate` with the engine's params: state donated; StepOutput [k, B].
 
-        active: [B] bool, the slots that advance (None = all); allowed: [B, ceil(V/32)]
-        uint32 grammar bitmasks (None = all tokens); see `generate`.
-        """
-        return self.generate(self.params, state, active, allowed)
+class OutOfPagesError(RuntimeError):
+    """The page pool cannot hold what a step would write (the host preempts or waits)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A piece of one prompt for a ragged step: `tokens` (ids) at positions `start ..`, of
+    row `slot`; `settings` is the request's `SlotSettings` on the prompt's last piece (its
+    first token is sampled in the step) and None on earlier pieces. first_generated: for a
+    preempted request fed again, the position of its first generated token (the tokens from
+    there count as generated for the penalties); 0 = none."""
+
+    slot: int
+    tokens: tuple[int, ...]
+    start: int
+    settings: SlotSettings | None
+    first_generated: int = 0
+
+    @classmethod
+    def cut(cls, slot: int, ids: Sequence[int], settings: SlotSettings,
+            size: int) -> list[Piece]:
+        """A prompt's pieces of `size` tokens (the last one shorter, with the settings)."""
+        ids = tuple(int(t) for t in ids)
+        starts = range(0, len(ids), size)
+        return [cls(slot, ids[s:s + size], s, settings if s + size >= len(ids) else None)
+                for s in starts]
+
+
+def plan_pieces(work: collections.deque, budget: int,
+                finish_limit: int) -> tuple[list[Piece], list[int]]:
+    """Takes from the front of `work` ((item, Piece) pairs, in order) the pieces of one step:
+    at most `budget` tokens, `finish_limit` finishing pieces, one continuing piece, one piece
+    per row and a row's pieces in order. Returns the pieces and the items of the finishing
+    ones (in order)."""
+    batch: list[Piece] = []
+    cols: list[int] = []
+    used, rows, continuing = 0, set(), False
+    while work:
+        item, piece = work[0]
+        if (used + len(piece.tokens) > budget or piece.slot in rows
+                or (piece.start and continuing)
+                or (piece.settings is not None and len(cols) >= finish_limit)):
+            break
+        work.popleft()
+        batch.append(piece)
+        used += len(piece.tokens)
+        rows.add(piece.slot)
+        continuing |= piece.start > 0
+        if piece.settings is not None:
+            cols.append(item)
+    return batch, cols

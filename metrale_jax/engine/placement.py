@@ -13,14 +13,13 @@ and returns a `Placement` whose `config` is the resolved `EngineConfig` (mesh as
 `StepShardings` declares where every argument and result of the compiled steps
 (`engine/steps.py`) lives, from the logical-axis rules of `engine/sharding.py`:
 - params: `param_shardings` (heads, kv heads, MLP and vocabulary on "model");
-- the `DecodeState`: the KV cache `[B, K, D, S]` / `[B, K, S, D]` per layer over slots ("data")
-  and kv heads ("model"); every per-slot array (positions, tokens, steps `[B]`, the sampling
-  settings and token history `[B, ...]`) over slots;
-- host inputs (prompt tokens, lengths, a prefill batch's sampling rows, slot indices, the
-  active mask) and the `StepOutput`s the host reads: replicated. Every process passes the same
-  small host arrays, and reads the outputs from its own devices without a gather;
-- a standalone `Prefix` (the contract's separate `prefill`): its cache over kv heads only, the
-  rest replicated (its rows are a prefill batch, not slots: they need not divide by "data").
+- the `DecodeState`: the page pools `[N, ps, 2K, D]` per layer over kv heads ("model"; pages
+  are shared by all rows, so not over "data"); every per-slot array (positions, tokens,
+  steps `[B]`, the sampling settings and token history `[B, ...]`) over slots;
+- host inputs (the page table, the active mask, grammar masks, the chunk's tokens, rows and
+  positions, the finishing prompts' sampling rows) and the `StepOutput`s the host reads:
+  replicated. Every process passes the same small host arrays, and reads the outputs from its
+  own devices without a gather.
 """
 
 from __future__ import annotations
@@ -41,15 +40,14 @@ from metrale_jax.engine.sharding import (
     check_mesh_shape,
     default_mesh_shape,
     format_mesh,
-    layer_cache_shardings,
     make_mesh,
-    named_sharding,
+    page_pool_sharding,
     param_shardings,
     replicated,
     slot_sharding,
 )
 from metrale_jax.engine.state import DecodeState
-from metrale_jax.models.kv_cache import KVCache
+from metrale_jax.errors import MemoryPlanError
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +112,38 @@ def place(model_config: ModelConfig, config: EngineConfig,
         prefill_batch=config.max_prefill_batch or 4)
     log.info("%s", plan.describe())
     resolved = config.with_shapes(plan.slots, plan.max_len, shape)
+    resolved = dataclasses.replace(resolved, num_pages=plan_pages(plan, resolved))
+    pages, ps = resolved.num_pages - 1, resolved.page_size
+    log.info("KV pages: %d of %d tokens (%.2f GiB per device): %d tokens in all, %d sequences "
+             "of max_len %d, %d of 256 tokens", pages, ps,
+             resolved.num_pages * ps * plan.token_bytes / 2**30, pages * ps,
+             pages // resolved.pages_per_seq, resolved.max_len, pages // -(-256 // ps))
     return Placement(shape, why, plan, resolved)
+
+
+def plan_pages(plan: MemoryPlan, config: EngineConfig) -> int:
+    """N, the page pool (null page included) for `config` (max_slots / max_len resolved).
+
+    Where the memory is known, the pool takes every byte the plan leaves to the KV cache
+    (memory - params - scratch - reserve): sequences hold only the pages their tokens need,
+    so short requests fit many more sequences than slots x max_len. Each device holds the
+    pages of every row (the pool is not split over "data"). A configured `num_pages` is
+    checked against the same budget. Unknown memory (CPU without --memory-gb): the configured
+    `num_pages`, else room for every slot to hold max_len.
+    """
+    page_bytes = config.page_size * plan.token_bytes
+    if plan.memory_bytes is None:
+        return config.resolved_num_pages
+    budget = plan.memory_bytes - plan.param_bytes - plan.scratch_bytes - plan.reserve_bytes
+    fits = budget // page_bytes
+    if config.num_pages is not None:
+        if config.num_pages > fits:
+            raise MemoryPlanError(
+                f"num_pages={config.num_pages} pages of {config.page_size} tokens need "
+                f"{config.num_pages * page_bytes / 2**30:.2f} GiB per device; "
+                f"{max(0, fits)} fit beside the params", param="num_pages")
+        return config.num_pages
+    return max(2, fits)
 
 
 class PlacementHook:
@@ -138,33 +167,29 @@ class PlacementHook:
 
 class StepShardings:
     """The shardings of the compiled steps' arguments and results on `mesh` (see the module
-    docstring). Attributes: replicated; state (a `DecodeState` of shardings); prefix (a
-    `Prefix` of shardings, for the standalone prefill/insert); params(tree) -> shardings."""
+    docstring). Attributes: replicated; state (a `DecodeState` of shardings);
+    params(tree) -> shardings."""
 
     def __init__(self, mesh: Mesh, model_config: ModelConfig, config: EngineConfig):
         self.mesh = mesh
         self.replicated: NamedSharding = replicated(mesh)
         self.state = self._state(model_config, config)
-        cfg = model_config
-        cache = named_sharding((None, None, "kv_heads", None, None), mesh,
-                               (1, 1, cfg.num_kv_heads, 1, 1))
-        rep = self.replicated
-        self.prefix = steps.Prefix(KVCache(cache, cache), rep, rep, rep, rep)
 
     def params(self, params) -> object:
         """The shardings of a params pytree (stacked or `LayerParams`)."""
         return param_shardings(params, self.mesh)
 
     def _state(self, model_config: ModelConfig, config: EngineConfig) -> DecodeState:
-        B, S = config.max_slots, config.max_len
+        B, N, ps = config.max_slots, config.resolved_num_pages, config.page_size
         spec = jax.eval_shape(functools.partial(
-            steps.init_state, model_config, B, 2, jnp.dtype(config.resolved_cache_dtype)))
+            steps.init_state, model_config, B, 2, 2, ps, jnp.dtype(config.resolved_cache_dtype)))
 
         def per_slot(a: jax.ShapeDtypeStruct) -> NamedSharding:  # [B, ...]: slots on data
             return slot_sharding(B, self.mesh, a.ndim - 1)
 
         slots = slot_sharding(B, self.mesh)
         return DecodeState(
-            cache=layer_cache_shardings(model_config, B, S, self.mesh), positions=slots,
+            pages=(page_pool_sharding(model_config, N, ps, self.mesh),) * model_config.num_layers,
+            positions=slots,
             tokens=slots, steps=slots, sampling=jax.tree.map(per_slot, spec.sampling),
             history=jax.tree.map(per_slot, spec.history))

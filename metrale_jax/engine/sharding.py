@@ -66,6 +66,7 @@ RULES: dict[str, str | None] = {
     "vocab": "model",
     "heads": "model",
     "kv_heads": "model",
+    "kv_pairs": "model",
     "mlp": "model",
 }
 
@@ -312,3 +313,14 @@ def slot_sharding(slots: int, mesh: Mesh, trailing: int = 0) -> NamedSharding:
     """The sharding of a per-slot array `[B, ...]` (`trailing` replicated dimensions after
     B): slots on "data" when B divides by it."""
     return named_sharding(("slots", *([None] * trailing)), mesh, (slots, *([1] * trailing)))
+
+
+def page_pool_sharding(cfg: ModelConfig, num_pages: int, page_size: int,
+                       mesh: Mesh) -> NamedSharding:
+    """The sharding of one layer's page pool `[N, ps, 2K, D]`: the interleaved key/value heads
+    on "model" when K divides by it (each device holds whole key/value pairs), else
+    replicated; pages are shared by every row, so they are not split over "data"."""
+    from metrale_jax.models.ragged import PAGE_AXES
+    K, D = cfg.num_kv_heads, cfg.head_dim
+    spec = partition_spec(PAGE_AXES, mesh, (num_pages, page_size, K, D))
+    return NamedSharding(mesh, spec)

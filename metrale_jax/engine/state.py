@@ -1,8 +1,8 @@
 """The device-side decode state, a slot's host-side settings, and the per-step outputs.
 
-`DecodeState` is one pytree donated to every compiled call that changes it. Slot `b` is
-decoding when the host says so; the engine itself treats every slot alike (an idle slot decodes
-garbage that nobody reads, and its cache writes past `S` are dropped).
+`DecodeState` is one pytree donated to every compiled call that changes it: the paged KV pools
+and the per-row (slot) arrays. Row `b` is decoding when the host says so (the step's `active`
+mask); a row that does not advance writes to the null page and keeps its state.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from metrale_jax.engine.sampling_state import (
     TokenHistory,
 )
 from metrale_jax.errors import InvalidParameterError
-from metrale_jax.models.unrolled import LayerCache
 
 # Logical axis names of the per-slot arrays, beside their shapes (see engine/sharding.py).
 SLOT_AXES: tuple[str, ...] = ("slots",)
@@ -34,7 +33,8 @@ SLOT_AXES: tuple[str, ...] = ("slots",)
 class DecodeState:
     """Everything `generate` reads and writes.
 
-    cache: LayerCache, per layer keys `[B, K, D, S]` (transposed) and values `[B, K, S, D]`.
+    pages: the KV cache, one pool per layer `[N, ps, 2K, D]` (keys and values interleaved on
+    the head axis; which pages a row holds is host data, `engine/pages.py`).
     positions: [B] int32, where the next token goes (= the slot's current length).
     tokens: [B] int32, the last sampled token: the input of the next step.
     steps: [B] int32, the sampling step index of the next token (the first token is step 0) =
@@ -44,7 +44,7 @@ class DecodeState:
     penalties; a slot's tokens up to its position are valid.
     """
 
-    cache: LayerCache
+    pages: tuple[jax.Array, ...]
     positions: jax.Array
     tokens: jax.Array
     steps: jax.Array
@@ -55,10 +55,12 @@ class DecodeState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """What `k` decode steps produced, small enough to copy to the host every step.
+    """What one engine call produced, small enough to copy to the host every step.
 
-    tokens: [k, B] int32; logprobs: [k, B] float32 (the model's log-softmax of each token);
-    top_ids: [k, B, N] int32 and top_logprobs: [k, B, N] float32, the N most likely tokens.
+    tokens: [k, C] int32; logprobs: [k, C] float32 (the model's log-softmax of each token);
+    top_ids: [k, C, N] int32 and top_logprobs: [k, C, N] float32, the N most likely tokens.
+    For a ragged step C = B + R: column b < B is decode row b's token at each of the k steps,
+    column B + r (first step only) the first token of the r-th prompt finished in the step.
     For `Engine.add`, k = 1 and column `i` is the i-th added item (not its slot).
     """
 
@@ -93,7 +95,9 @@ class SlotSettings:
     sampled; min_tokens with stop_ids: those ids are masked until min_tokens are generated;
     bad_words: token sequences of 2+ tokens whose last token is banned after the rest;
     dry_breaker_ids: tokens that cut DRY's matches; first_mask: the first token's grammar
-    bitmask ([ceil(V/32)] uint32; None = unconstrained).
+    bitmask ([ceil(V/32)] uint32; None = unconstrained); generated: tokens the request
+    generated before it was preempted (its prompt is then fed again with them: they count
+    as generated for the penalties, and its next token samples step `generated`).
     """
 
     temperature: float = 0.0
@@ -120,6 +124,7 @@ class SlotSettings:
     banned_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
     first_mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    generated: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:

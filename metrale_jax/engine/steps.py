@@ -1,10 +1,10 @@
-"""The pure functions the engine compiles: prefill, insert, chunked prefill, decode, init.
+"""The pure functions the engine compiles: the ragged step (decode rows + prefill chunk) and init.
 
 Each takes params and state as arguments (never closed over); the static parts (the model's
-`LayerGraph`, N top logprobs, k decode steps, shapes) are bound with `functools.partial` before
-`jax.jit`. The model runs unrolled over per-layer params (`models.unrolled`): on XLA:CPU a layer
-scan copies every layer's weights and cache out of the stacked arrays at each step.
-Shapes use the letters of DESIGN.md: `Bp` prefill batch, `P` prefill bucket.
+`LayerGraph`, N top logprobs, the step's shape: n decode rows, C chunk tokens, R prompts that
+may finish, k decode steps) are bound with `functools.partial` before `jax.jit`. Shapes use the
+letters of DESIGN.md: `B` rows (slots), `n` decode rows computed, `C` chunk tokens, `R` prompts
+finishing, `PPS` pages per sequence, `W` = ceil(V/32) bitmask words.
 """
 
 from __future__ import annotations
@@ -19,36 +19,12 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine.sampling import SampleResult, sample
 from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
-from metrale_jax.models.kv_cache import KVCache
-from metrale_jax.models.unrolled import (
-    LayerCache,
-    LayerGraph,
-    LayerParams,
-    decode_layers,
-    forward_layers,
-)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Prefix:
-    """A prefilled batch of prompts, ready for `insert`.
-
-    cache: KVCache k/v `[L, Bp, K, P, D]` of the prompt tokens (positions 0 .. P-1);
-    lengths: [Bp] int32, the true prompt lengths; first: StepOutput `[1, Bp]`, the token
-    sampled (step 0) from each prompt's last logits; sampling: the rows' `SamplingState`;
-    history: the prompts' `TokenHistory` (tokens [Bp, P]).
-    """
-
-    cache: KVCache
-    lengths: jax.Array
-    first: StepOutput
-    sampling: SamplingState
-    history: TokenHistory
+from metrale_jax.models.ragged import StepLayout, head, ragged_layers
+from metrale_jax.models.unrolled import LayerGraph, LayerParams
 
 
 def _as_output(res: SampleResult) -> StepOutput:
-    """A `SampleResult` of [B] arrays as a one-step `StepOutput` ([1, B])."""
+    """A `SampleResult` of [R] arrays as a one-step `StepOutput` ([1, R])."""
     return StepOutput(res.tokens[None], res.logprobs[None], res.top_ids[None],
                       res.top_logprobs[None])
 
@@ -62,170 +38,222 @@ class SampleConfig:
     logprobs_mode: str = "raw"
 
 
-def init_state(cfg: ModelConfig, slots: int, length: int, cache_dtype: jnp.dtype) -> DecodeState:
-    """An empty decode state: greedy slots at position 0 and a zero `LayerCache`."""
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The static shape of one compiled ragged step.
+
+    n: decode rows computed (rows 0 .. n-1); chunk: C prefill tokens (0 = decode only);
+    finish: R prompts whose first token the step may sample (0 when chunk is 0);
+    decode_steps: k decode steps in the call (k > 1 only without a chunk);
+    spans: the attention spans (multiples of the page size, ending at PPS * ps).
+    """
+
+    n: int
+    chunk: int
+    finish: int
+    decode_steps: int
+    spans: tuple[int, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkInputs:
+    """The prefill tier of a ragged step (host data, shapes static).
+
+    tokens, rows, positions: [C] int32, each chunk token, its row (-1 = padding) and its
+    position in the row's sequence (a row's tokens contiguous and increasing);
+    generated: [C] bool, tokens the row generated before it was preempted (fed again: they
+    count for the penalties as generated tokens, not prompt tokens);
+    ctx_row: int32, the one row whose piece continues a prompt already partly in the pages
+    (-1 = none), ctx_len: int32, how many positions of it are there;
+    finish_index: [R] int32, the chunk index of the last prompt token of each prompt that
+    ends in this step; finish_rows: [R] int32, their rows (B = none); finish_steps: [R]
+    int32, the sampling step of each one's next token (0, or the tokens it generated before
+    a preemption: its key folds in the same step index as if it had never stopped); sampling:
+    [R] rows of
+    `SamplingState`, their settings; allowed: [R, W] uint32, their first tokens' grammar masks.
+    """
+
+    tokens: jax.Array
+    rows: jax.Array
+    positions: jax.Array
+    generated: jax.Array
+    ctx_row: jax.Array
+    ctx_len: jax.Array
+    finish_index: jax.Array
+    finish_rows: jax.Array
+    finish_steps: jax.Array
+    sampling: SamplingState
+    allowed: jax.Array
+
+
+def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
+               cache_dtype: jnp.dtype) -> DecodeState:
+    """An empty decode state: greedy rows at position 0 and zero page pools
+    (L x `[num_pages, page_size, 2K, D]`); the token history holds `length` positions."""
     zeros = jnp.zeros((slots,), jnp.int32)
+    shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
     return DecodeState(
-        cache=LayerCache.zeros(cfg, slots, length, cache_dtype), positions=zeros, tokens=zeros,
-        steps=zeros, sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
+        pages=tuple(jnp.zeros(shape, cache_dtype) for _ in range(cfg.num_layers)),
+        positions=zeros, tokens=zeros, steps=zeros,
+        sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
         history=TokenHistory.zeros(slots, length, cfg.vocab_size))
 
 
-def prefill_step(graph: LayerGraph, sc: SampleConfig, cache_dtype: jnp.dtype,
-                 params: LayerParams, tokens: jax.Array, lengths: jax.Array,
-                 sampling: SamplingState, allowed: jax.Array | None = None) -> Prefix:
-    """Runs `Bp` prompts and samples each one's first token.
+def span_index(spans: tuple[int, ...], needed: jax.Array) -> jax.Array:
+    """The index of the first of `spans` (increasing) that is >= `needed` (int32 scalar)."""
+    return jnp.sum(jnp.asarray(spans[:-1]) < needed).astype(jnp.int32)
 
-    tokens: [Bp, P] int32, prompt b in `tokens[b, :lengths[b]]` (padding after it is never
-    attended to by real tokens); lengths: [Bp] int32 in 1 .. P; sampling: [Bp] rows;
-    allowed: [Bp, ceil(V/32)] uint32 grammar bitmasks of the first tokens (None = all).
+
+def _slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array, page_size: int):
+    """Flat pool slots of `positions` through page-table rows `table` ([..., PPS]); where not
+    `ok`, a slot of the null page."""
+    pps = table.shape[-1]
+    page = jnp.take_along_axis(table, jnp.clip(positions // page_size, 0, pps - 1)[..., None],
+                               axis=-1)[..., 0]
+    return jnp.where(ok, page * page_size + positions % page_size, positions % page_size)
+
+
+def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: LayerParams,
+                state: DecodeState, page_table: jax.Array, active: jax.Array,
+                allowed: jax.Array,
+                chunk: ChunkInputs | None) -> tuple[DecodeState, StepOutput]:
+    """One engine call: k decode steps of rows `0 .. n-1`, or one step that also runs a chunk.
+
+    page_table: [B, PPS] int32 (the host's `PageTable.table`, covering every position this
+    call writes); active: [B] bool, the rows that decode (held rows keep their state);
+    allowed: [B, W] uint32 grammar bitmasks of the decode rows; chunk: the prefill tier
+    (None when `shape.chunk` is 0). State donated. Each decode row feeds its last token at its
+    position, samples the next with key `fold_in(keys[b], steps[b])` and advances; each
+    prompt that ends in the chunk samples its first token (step 0) from its last token and
+    its row becomes ready to decode. Returns the state and StepOutput `[k, B + R]`.
     """
-    Bp, P = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (Bp, P))
-    logits, kv = forward_layers(graph, params, tokens, positions, None, lengths - 1)
-    history = TokenHistory.of_prompts(tokens, lengths, logits.shape[-1])
-    res = sample(logits, sampling, history, lengths, jnp.zeros((Bp,), jnp.int32), sc.num_top,
-                 sc.logprobs_mode, allowed)
-    kv = KVCache(kv.k.astype(cache_dtype), kv.v.astype(cache_dtype))
-    return Prefix(kv, lengths, _as_output(res), sampling, history)
+    B, pps = state.tokens.shape[0], page_table.shape[1]
+    page_size = state.pages[0].shape[1]
+    cap = pps * page_size
+    n, C, R = shape.n, shape.chunk, shape.finish
+    head_rows = functools.partial(jax.tree.map, lambda a: a[:n])
+    live = active[:n]
+    dec_table = page_table[:n]
 
+    def forward(pages, dec_tokens, dec_pos):
+        """The model over this step's tokens -> (hidden [n + C, E], pages)."""
+        ok = live & (dec_pos < cap)
+        dec_lens = jnp.where(live, jnp.minimum(dec_pos + 1, cap), 0)
+        slots = _slot_of(dec_table, dec_pos, ok, page_size)
+        tokens, positions = dec_tokens, dec_pos
+        if C:
+            real = chunk.rows >= 0
+            rows = jnp.clip(chunk.rows, 0, B - 1)
+            chunk_slots = _slot_of(page_table[rows], chunk.positions, real, page_size)
+            slots = jnp.concatenate([slots, chunk_slots])
+            tokens = jnp.concatenate([dec_tokens, chunk.tokens])
+            positions = jnp.concatenate([dec_pos, chunk.positions])
+            ctx_table = page_table[jnp.clip(chunk.ctx_row, 0, B - 1)]
+            ctx_len = jnp.where(chunk.ctx_row >= 0, chunk.ctx_len, 0)
+            chunk_rows = chunk.rows
+        else:
+            ctx_table = jnp.zeros((pps,), jnp.int32)
+            ctx_len = jnp.zeros((), jnp.int32)
+            chunk_rows = jnp.zeros((0,), jnp.int32)
+        layout = StepLayout(
+            slots=slots, dec_table=dec_table, dec_lens=dec_lens,
+            dec_span=span_index(shape.spans, jnp.max(dec_lens)), chunk_rows=chunk_rows,
+            ctx_table=ctx_table, ctx_row=chunk.ctx_row if C else jnp.int32(-1),
+            ctx_len=ctx_len, ctx_span=span_index((0, *shape.spans), ctx_len))
+        return ragged_layers(graph, params, pages, tokens, positions, layout, n=n,
+                             spans=shape.spans)
 
-def insert_step(prefix: Prefix, state: DecodeState, slots: jax.Array, cols: jax.Array,
-                first: StepOutput) -> tuple[DecodeState, StepOutput]:
-    """Writes a prefix into the decode state (donated) at `slots: [Bp] int32`.
-
-    Row b goes to slot `slots[b]` and its first token to column `cols[b]` of `first`
-    (`[1, B]`, donated); an index equal to B (padding rows) is dropped.
-    """
-    P = prefix.cache.k.shape[3]
-    kt = tuple(c.at[slots, :, :, :P].set(new.swapaxes(-1, -2).astype(c.dtype), mode="drop")
-               for c, new in zip(state.cache.kt, prefix.cache.k, strict=True))
-    v = tuple(c.at[slots, :, :P].set(new.astype(c.dtype), mode="drop")
-              for c, new in zip(state.cache.v, prefix.cache.v, strict=True))
-    cache = LayerCache(kt, v)
-    h, ph = state.history, prefix.history
-    history = TokenHistory(h.tokens.at[slots, :P].set(ph.tokens, mode="drop"),
-                           h.counts.at[slots].set(0, mode="drop"),
-                           h.prompt_seen.at[slots].set(ph.prompt_seen, mode="drop"))
-    state = DecodeState(
-        cache=cache,
-        positions=state.positions.at[slots].set(prefix.lengths, mode="drop"),
-        tokens=state.tokens.at[slots].set(prefix.first.tokens[0], mode="drop"),
-        steps=state.steps.at[slots].set(1, mode="drop"),
-        sampling=state.sampling.set_rows(slots, prefix.sampling), history=history)
-    first = jax.tree.map(lambda a, b: a.at[:, cols].set(b, mode="drop"), first, prefix.first)
-    return state, first
-
-
-def prefill_insert_step(graph: LayerGraph, sc: SampleConfig, cache_dtype: jnp.dtype,
-                        params: LayerParams, state: DecodeState, first: StepOutput,
-                        tokens: jax.Array, lengths: jax.Array, sampling: SamplingState,
-                        slots: jax.Array, cols: jax.Array,
-                        allowed: jax.Array) -> tuple[DecodeState, StepOutput]:
-    """`prefill_step` then `insert_step` in one program (state and first donated).
-
-    The batching loop's path: one compiled program per (bucket, prefill batch) instead of
-    two, which halves warmup, and the prefix never leaves the program.
-    """
-    prefix = prefill_step(graph, sc, cache_dtype, params, tokens, lengths, sampling, allowed)
-    return insert_step(prefix, state, slots, cols, first)
-
-
-def chunk_step(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state: DecodeState,
-               first: StepOutput, slot: jax.Array, col: jax.Array, tokens: jax.Array,
-               start: jax.Array, length: jax.Array, sampling: SamplingState,
-               allowed: jax.Array) -> tuple[DecodeState, StepOutput]:
-    """One chunk of a long prompt, prefilled straight into slot `slot`'s cache.
-
-    tokens: [1, P] int32 at positions `start .. start + P - 1`, of which the first
-    `length` are real; the chunk attends to the slot's cache below `start` (earlier chunks).
-    The slot ends at position `start + length` with its first token sampled from the chunk's
-    last real token: after the final chunk it is ready to decode. state and first (`[1, B]`,
-    column `col` written) are donated. slot, col, start, length: int32 scalars.
-    """
-    P = tokens.shape[1]
-    # The slot's cache as a one-row KVCache [L, 1, K, S, D] (a copy: chunks are rare and long).
-    take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=0)
-    sub = KVCache(jnp.stack([take(c).swapaxes(-1, -2) for c in state.cache.kt]),
-                  jnp.stack([take(c) for c in state.cache.v]))
-    positions = (start + jnp.arange(P, dtype=jnp.int32))[None]
-    logits, sub = forward_layers(graph, params, tokens, positions, sub, (length - 1)[None])
-    rows = slot[None]
-    V = logits.shape[-1]
-    h = state.history
-    real = jnp.arange(P) < length
-    seen = jnp.zeros((V,), jnp.bool_).at[jnp.where(real, tokens[0], V)].set(True, mode="drop")
-    seen |= jnp.where(start > 0, h.prompt_seen[slot], False)
-    history = TokenHistory(h.tokens.at[slot, start + jnp.arange(P)].set(tokens[0], mode="drop"),
-                           h.counts.at[rows].set(0), h.prompt_seen.at[rows].set(seen[None]))
-    row = TokenHistory(history.tokens[rows], history.counts[rows], seen[None])
-    res = sample(logits, sampling, row, (start + length)[None], jnp.zeros((1,), jnp.int32),
-                 sc.num_top, sc.logprobs_mode, allowed)
-    put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=slot, axis=0)
-    kt = tuple(put(c, sub.k[i].swapaxes(-1, -2).astype(c.dtype))
-               for i, c in enumerate(state.cache.kt))
-    v = tuple(put(c, sub.v[i].astype(c.dtype)) for i, c in enumerate(state.cache.v))
-    state = DecodeState(
-        cache=LayerCache(kt, v),
-        positions=state.positions.at[rows].set(start + length),
-        tokens=state.tokens.at[rows].set(res.tokens),
-        steps=state.steps.at[rows].set(1),
-        sampling=state.sampling.set_rows(rows, sampling), history=history)
-    out = _as_output(res)
-    first = jax.tree.map(lambda a, b: a.at[:, col[None]].set(b), first, out)
-    return state, first
-
-
-def generate_step(graph: LayerGraph, sc: SampleConfig, decode_steps: int, rows: int,
-                  params: LayerParams, state: DecodeState, active: jax.Array,
-                  allowed: jax.Array) -> tuple[DecodeState, StepOutput]:
-    """`decode_steps` decode steps for the first `rows` slots; state donated.
-
-    Only slots `0 .. rows-1` are computed (`rows` is static: one program per active-slot
-    bucket, so one request in a 16-slot engine costs one row, not sixteen); active: [B] bool
-    marks the slots that advance (holding a request and not held back: a held slot keeps its
-    position, token, step and history, so it repeats the step later), and attention reads the
-    cache only as far as the largest active position; allowed: [B, ceil(V/32)] uint32 grammar
-    bitmasks (all ones = unconstrained). Each step feeds `tokens` at `positions`, writes
-    their keys and values into the cache and the tokens into the history, samples the next
-    token with key
-    `fold_in(keys[b], steps[b])`, and advances positions (capped at S) and steps. Returns the
-    new state and StepOutput `[k, B]` (rows past `rows` are zeros).
-    """
-    S = state.cache.length
-    B = state.tokens.shape[0]
-    head = functools.partial(jax.tree.map, lambda a: a[:rows])
-    sampling = head(state.sampling)
-    live = active[:rows]
-    allowed = allowed[:rows]
-
-    def one(carry):
-        cache, positions, tokens, steps_, history = carry
+    def decode_once(carry):
+        pages, positions, tokens, steps_, history = carry
         history = history.append(tokens, positions, live)
-        logits, cache = decode_layers(graph, params, tokens, positions, cache, live)
-        res = sample(logits, sampling, history, positions + 1, steps_, sc.num_top,
-                     sc.logprobs_mode, allowed)
-        # A held row writes the same key/value at the same position again later: harmless.
-        return (cache, jnp.where(live, jnp.minimum(positions + 1, S), positions),
-                jnp.where(live, res.tokens, tokens), jnp.where(live, steps_ + 1, steps_),
-                history), res
+        x, pages = forward(pages, tokens, positions)
+        return (pages, positions, tokens, steps_, history), x
 
-    carry = (state.cache, state.positions[:rows], state.tokens[:rows], state.steps[:rows],
-             head(state.history))
-    if decode_steps == 1:
-        carry, res = one(carry)
-        out = _as_output(res)
-    else:
-        carry, res = jax.lax.scan(lambda c, _: one(c), carry, None, length=decode_steps)
-        out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
-    cache, positions, tokens, steps_, history = carry
+    sampling = head_rows(state.sampling)
     h = state.history
-    new = DecodeState(cache, state.positions.at[:rows].set(positions),
-                      state.tokens.at[:rows].set(tokens), state.steps.at[:rows].set(steps_),
-                      state.sampling,
-                      TokenHistory(h.tokens.at[:rows].set(history.tokens),
-                                   h.counts.at[:rows].set(history.counts), h.prompt_seen))
-    if rows < B:  # pad the output to [k, B]
-        out = jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, B - rows)] + [(0, 0)] * (a.ndim - 2)),
-                           out)
-    return new, out
+
+    def advance(carry, res_tokens):
+        pages, positions, tokens, steps_, history = carry
+        return (pages, jnp.where(live, jnp.minimum(positions + 1, cap), positions),
+                jnp.where(live, res_tokens, tokens), jnp.where(live, steps_ + 1, steps_),
+                history)
+
+    carry = (state.pages, state.positions[:n], state.tokens[:n], state.steps[:n],
+             head_rows(h))
+    if C == 0:
+        def one(carry, _):
+            carry, x = decode_once(carry)
+            _, positions, _, steps_, history = carry
+            res = sample(head(graph, params, x), sampling, history, positions + 1, steps_,
+                         sc.num_top, sc.logprobs_mode, allowed[:n])
+            return advance(carry, res.tokens), res
+
+        if shape.decode_steps == 1:
+            carry, res = one(carry, None)
+            out = _as_output(res)
+        else:
+            carry, res = jax.lax.scan(one, carry, None, length=shape.decode_steps)
+            out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
+        pages, positions, tokens, steps_, dec_history = carry
+        history = TokenHistory(h.tokens.at[:n].set(dec_history.tokens),
+                               h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
+        new = DecodeState(pages, state.positions.at[:n].set(positions),
+                          state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
+                          state.sampling, history)
+        return new, _pad_columns(out, B + R)
+
+    # A step with a chunk: one decode step of rows 0 .. n-1 plus the chunk's tokens.
+    carry, x = decode_once(carry)
+    pages, positions, tokens, steps_, dec_history = carry
+    history = TokenHistory(h.tokens.at[:n].set(dec_history.tokens),
+                           h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
+    # The chunk's prompt tokens go into their rows' histories; a row whose chunk starts at
+    # position 0 starts afresh (counts and prompt_seen cleared first).
+    real = chunk.rows >= 0
+    rows = jnp.where(real, chunk.rows, B)
+    fresh = jnp.where(real & (chunk.positions == 0), chunk.rows, B)
+    prompt_rows = jnp.where(chunk.generated, B, rows)
+    seen = history.prompt_seen.at[fresh].set(False, mode="drop")
+    seen = seen.at[prompt_rows, chunk.tokens].set(True, mode="drop")
+    counts = history.counts.at[fresh].set(0, mode="drop")
+    counts = counts.at[jnp.where(chunk.generated, rows, B), chunk.tokens].add(1, mode="drop")
+    history = TokenHistory(
+        history.tokens.at[rows, chunk.positions].set(chunk.tokens, mode="drop"), counts, seen)
+    finish_rows = chunk.finish_rows
+    fr = jnp.clip(finish_rows, 0, B - 1)
+    last_pos = chunk.positions[chunk.finish_index]
+    fin_history = TokenHistory(history.tokens[fr], history.counts[fr], history.prompt_seen[fr])
+    rows_history = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dec_history, fin_history)
+    rows_sampling = jax.tree.map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]),
+                                 sampling, chunk.sampling)
+    hidden = jnp.concatenate([x[:n], x[n + chunk.finish_index]])
+    res = sample(head(graph, params, hidden), rows_sampling, rows_history,
+                 jnp.concatenate([positions + 1, last_pos + 1]),
+                 jnp.concatenate([steps_, chunk.finish_steps]), sc.num_top,
+                 sc.logprobs_mode, jnp.concatenate([allowed[:n], chunk.allowed]))
+    carry = advance(carry, res.tokens[:n])
+    _, positions, tokens, steps_, _ = carry
+    new_positions = state.positions.at[:n].set(positions)
+    new_tokens = state.tokens.at[:n].set(tokens)
+    new_steps = state.steps.at[:n].set(steps_)
+    new = DecodeState(
+        pages,
+        new_positions.at[finish_rows].set(last_pos + 1, mode="drop"),
+        new_tokens.at[finish_rows].set(res.tokens[n:], mode="drop"),
+        new_steps.at[finish_rows].set(chunk.finish_steps + 1, mode="drop"),
+        state.sampling.set_rows(finish_rows, chunk.sampling), history)
+    out = _as_output(res)  # [1, n + R]: decode rows, then the finished prompts
+    dec = jax.tree.map(lambda a: a[:, :n], out)
+    fin = jax.tree.map(lambda a: a[:, n:], out)
+    dec = _pad_columns(dec, B)
+    return new, jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), dec, fin)
+
+
+def _pad_columns(out: StepOutput, columns: int) -> StepOutput:
+    """`out` ([k, c, ...]) padded with zeros to `columns` columns."""
+    c = out.tokens.shape[1]
+    if c == columns:
+        return out
+    return jax.tree.map(
+        lambda a: jnp.pad(a, [(0, 0), (0, columns - c)] + [(0, 0)] * (a.ndim - 2)), out)

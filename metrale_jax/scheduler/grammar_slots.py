@@ -74,6 +74,13 @@ class GrammarSlots:
         matcher.fill(row)
         return matcher, row.view(np.uint32)
 
+    def mask_of(self, matcher) -> np.ndarray:
+        """The next token's mask ([ceil(V/32)] uint32) of a matcher where it is now (a
+        preempted request resuming)."""
+        row = self.compiler.allocate(1)[0]
+        matcher.fill(row)
+        return row.view(np.uint32)
+
     def launched(self, slots: np.ndarray) -> None:
         """Slots whose next token is now in flight (`slots`: [n] int)."""
         self.inflight[slots] += 1

@@ -56,6 +56,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from metrale_jax.engine.engine import Piece
 from metrale_jax.engine.state import SlotSettings
 from metrale_jax.errors import MetraleError, PeerLostError
 
@@ -68,7 +69,7 @@ CONNECT_TIMEOUT_S = 300.0
 first, at their own pace)."""
 STOP_TIMEOUT_S = 30.0
 """How long the leader, stopping, waits for the followers to hang up."""
-_DATACLASSES: dict[str, type] = {"SlotSettings": SlotSettings}
+_DATACLASSES: dict[str, type] = {"SlotSettings": SlotSettings, "Piece": Piece}
 _HELLO = struct.Struct(">16sI")  # token, process id
 _LENGTH = struct.Struct(">I")
 
@@ -419,6 +420,13 @@ class LeaderEngine:
         """`Engine.step`, on every process."""
         return self._call("step", self.engine.step, state, *args, **kwargs)
 
+    def release(self, slot: int) -> None:
+        """`Engine.release`, on every process (their page tables stay the same)."""
+        # A lost peer: the requests are failing and the server exits; the next step raises.
+        with contextlib.suppress(PeerLostError):
+            self.channel.send({"op": "release", "args": encode([slot]), "kwargs": encode({})})
+        self.engine.release(slot)
+
 
 def run_follower(engine: Any, channel: FollowerChannel) -> None:
     """Makes the leader's engine calls, in its order, until it says stop.
@@ -443,6 +451,9 @@ def run_follower(engine: Any, channel: FollowerChannel) -> None:
                 state, out = engine.add(state, *args, **kwargs)
             elif op == "step":
                 state, out = engine.step(state, *args, **kwargs)
+            elif op == "release":
+                engine.release(*args)
+                continue
             else:
                 raise PeerLostError(f"process 0 sent an unknown call {op!r}")
         except PeerLostError:

@@ -4,10 +4,19 @@ Threads and queues:
 - Callers (HTTP handlers, the Python API) call `submit`, which validates the request, puts it
   on a bounded FIFO `waiting` queue (full -> `BusyError`) and returns a `RequestHandle`.
   `cancel` puts the id on a set read by the loop. Nothing but the loop thread touches JAX.
-- The loop thread, each iteration: drops cancelled and timed-out requests, admits waiting
-  requests into free slots (`engine.add`: prefill + insert), launches one `engine.step` for
-  all slots, starts copying its output to the host, and only then reads the *previous*
-  step's output (one step late), so the device is never idle while Python detokenizes.
+- The loop thread, each iteration: drops cancelled and timed-out requests (their pages go
+  back to the pool), admits waiting requests into free slots (rows), and launches one
+  `engine.step`: every decoding row advances one token while pieces of the admitted prompts
+  ride along (chunked prefill under the step's token budget, `max_prefill_len`), so a new
+  prompt, however long, never stops the rows that decode. It starts copying the step's
+  output to the host and only then reads the *previous* step's output (one step late), so
+  the device is never idle while Python detokenizes.
+- Pages (`engine.pages`): a row gets pages as its tokens need them. A prompt piece waits
+  while the pool is short; a decoding row that needs a page the pool cannot give makes the
+  loop preempt the most recently admitted sequence (its pages freed, its request put back at
+  the head of the queue; later its prompt and the tokens generated so far are prefilled again
+  and it continues where it stopped: the client sees only latency). `stats["preempted"]`
+  counts them.
 - Events go to each request's handle (`post`), which forwards them to the caller's thread or
   event loop.
 Backpressure: `max_waiting` bounds the queue; the slots bound the work in flight.
@@ -26,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from metrale_jax.engine.engine import Piece
 from metrale_jax.engine.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from metrale_jax.errors import BusyError, ContextLengthError, InvalidParameterError
 from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
@@ -41,13 +51,13 @@ log = logging.getLogger(__name__)
 class _Pending:
     """A launched step whose output is read one iteration later.
 
-    owners[slot] is the sequence that owned the slot when the step launched; a slot whose
-    owner changed (finished, freed, re-admitted) since then has its output ignored.
+    owners: (column, slot, sequence) for every output column that carries a token: a decode
+    row's column is its slot, a finished prompt's column is B + r; a slot whose owner changed
+    (finished, freed, preempted, re-admitted) since then has its output ignored.
     """
 
     output: Any
-    owners: dict[int, Sequence]
-    first: bool  # prefill output (one token per admitted sequence) vs a decode step
+    owners: list[tuple[int, int, Sequence]]
 
 
 class Scheduler:
@@ -77,6 +87,7 @@ class Scheduler:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._cancelled: set[str] = set()
         self._slots: list[Sequence | None] = [None] * self.num_slots
+        self._prefilling: list[int] = []  # slots whose prompt is being prefilled, in order
         self._running = True
         self._ready = threading.Event()
         self.startup_error: BaseException | None = None  # set when warmup failed
@@ -130,6 +141,12 @@ class Scheduler:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_len} tokens, but the "
                 f"request has {n} prompt tokens plus max_tokens={wanted} "
+                f"({n + wanted} in all)")
+        pages = self.engine.pages
+        if pages.pages_for(n + wanted) > pages.usable_pages:
+            raise ContextLengthError(
+                f"the KV cache holds {pages.usable_pages * pages.page_size} tokens in all, but "
+                f"the request has {n} prompt tokens plus max_tokens={wanted} "
                 f"({n + wanted} in all)")
 
     def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
@@ -226,14 +243,12 @@ class Scheduler:
                 cancelled, self._cancelled = self._cancelled, set()
             try:
                 self._drop(cancelled)
-                launched = self._admit()
-                if launched is not None:
-                    pending.append(launched)
+                self._admit()
                 if any(self._slots):
-                    if self.grammar.must_drain(self._slots):  # nothing to overlap with
-                        while pending:
+                    if self.grammar.must_drain(self._decoding()) and not self._prefilling:
+                        while pending:  # nothing to overlap with
                             self._consume(pending.popleft())
-                    step = self._launch_step() if any(self._slots) else None
+                    step = self._launch_step(pending)
                     if step is not None:
                         pending.append(step)
                 # Read outputs one step late: keep the newest in flight while work remains.
@@ -251,6 +266,19 @@ class Scheduler:
                     log.exception("could not rebuild the decode state")
         self._shutdown()
 
+    def _decoding(self) -> list[Sequence | None]:
+        """The slots' sequences that decode (None for free rows and rows still prefilling)."""
+        return [s if s is not None and s.fed >= len(s.feed) else None for s in self._slots]
+
+    def _free_slot(self, slot: int) -> None:
+        """Slot `slot` loses its sequence: its pages go back to the pool."""
+        seq = self._slots[slot]
+        self._slots[slot] = None
+        if seq is not None and slot in self._prefilling:
+            self._prefilling.remove(slot)
+        self.engine.release(slot)
+        self.grammar.freed(slot)
+
     def _drop(self, cancelled: set[str]) -> None:
         now = time.monotonic()
         for i, seq in enumerate(self._slots):
@@ -258,68 +286,139 @@ class Scheduler:
                 continue
             if seq.request.request_id in cancelled:
                 seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated))
-                self._slots[i] = None
+                self._free_slot(i)
             elif seq.request.deadline is not None and now > seq.request.deadline:
                 seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
-                self._slots[i] = None
+                self._free_slot(i)
         with self._lock:
             keep = collections.deque()
             for seq in self._waiting:
                 if seq.request.request_id in cancelled:
-                    seq.handle.post(Cancelled(seq.prompt_len, 0))
+                    seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated))
                 elif seq.request.deadline is not None and now > seq.request.deadline:
-                    seq.handle.post(TimedOut(seq.prompt_len, 0))
+                    seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
                 else:
                     keep.append(seq)
             self._waiting = keep
 
-    def _admit(self) -> _Pending | None:
+    def _admit(self) -> None:
+        """Moves waiting requests into free slots (lowest first); their prompts are then
+        prefilled piece by piece along the next steps."""
         free = [i for i, s in enumerate(self._slots) if s is None]
         if not free:
-            return None
+            return
         with self._lock:
             admitted = []
             while free and self._waiting:
                 admitted.append((free.pop(0), self._waiting.popleft()))
-        if not admitted:
-            return None
-        items = []
-        for slot, seq in admitted:
-            seed = seq.request.params.seed
-            if seed is None:
-                seed = random.getrandbits(31)
-            first_mask = None
-            if seq.request.params.constraint is not None:
-                seq.matcher, first_mask = self.grammar.start(seq.request.params.constraint)
-            items.append((slot, list(seq.request.prompt_ids), seq.slot_settings(seed,
-                                                                                first_mask)))
-        try:
-            self.state, first = self.engine.add(self.state, items)
-        except Exception as e:
-            for _, seq in admitted:
-                seq.handle.post(Failed(e))
-            raise
         now = time.monotonic()
         for slot, seq in admitted:
+            if seq.settings is None:  # first admission (a preempted one keeps its own)
+                seed = seq.request.params.seed
+                if seed is None:
+                    seed = random.getrandbits(31)
+                first_mask = None
+                if seq.request.params.constraint is not None:
+                    seq.matcher, first_mask = self.grammar.start(seq.request.params.constraint)
+                seq.settings = seq.slot_settings(seed, first_mask)
+            elif seq.matcher is not None:  # resumed: the grammar's mask where it stopped
+                seq.settings = dataclasses.replace(seq.settings,
+                                                   first_mask=self.grammar.mask_of(seq.matcher))
+            seq.feed = list(seq.request.prompt_ids) + list(seq.token_ids)
+            seq.fed = 0
             self._slots[slot] = seq
+            self._prefilling.append(slot)
             self._admitted_at[slot] = (seq.request.request_id, now)
             self.grammar.freed(slot)
-        self.grammar.launched(np.array([slot for slot, _ in admitted]))
-        self.stats["admitted"] += len(admitted)
-        _start_copy(first)
-        return _Pending(first, {slot: seq for slot, seq in admitted}, first=True)
+        self.stats["admitted"] += sum(1 for _, s in admitted if not s.token_ids)
 
-    def _launch_step(self) -> _Pending | None:
-        """Launches one decode step for the slots that can advance (None: none can)."""
-        active, allowed = self.grammar.step_inputs(self._slots)
-        if not active.any():
+    def _pieces(self, budget_pages: int) -> list[tuple[Piece, Sequence]]:
+        """The prompt pieces of the next step, in admission order: under the token budget,
+        at most `max_prefill_batch` finishing, one continuing, and within `budget_pages`."""
+        cfg, pages = self.engine.config, self.engine.pages
+        out: list[tuple[Piece, Sequence]] = []
+        used = finishing = 0
+        continuing = False
+        for slot in self._prefilling:
+            seq = self._slots[slot]
+            start = seq.fed
+            end = min(len(seq.feed), start + cfg.max_prefill_len)
+            size = end - start
+            last = end == len(seq.feed)
+            need = pages.shortfall(slot, end)
+            if (used + size > cfg.max_prefill_len or (start and continuing)
+                    or (last and finishing >= cfg.max_prefill_batch) or need > budget_pages):
+                break
+            settings = None
+            if last:
+                settings = seq.settings
+                if seq.token_ids:  # resumed: what was generated before counts as generated
+                    settings = dataclasses.replace(settings, generated=len(seq.token_ids))
+            first_generated = seq.prompt_len if seq.token_ids else 0
+            out.append((Piece(slot, tuple(seq.feed[start:end]), start, settings,
+                              first_generated), seq))
+            used += size
+            budget_pages -= need
+            finishing += last
+            continuing |= start > 0
+        return out
+
+    def _launch_step(self, pending: collections.deque) -> _Pending | None:
+        """Launches one ragged step: decoding rows plus prompt pieces (None: nothing can
+        run). Preempts when a decoding row needs a page the pool cannot give."""
+        B = self.num_slots
+        engine = self.engine
+        while True:
+            active, allowed = self.grammar.step_inputs(self._decoding())
+            k = 1 if self._prefilling else engine.config.decode_steps
+            need = sum(engine.pages.shortfall(int(b), int(engine.lengths[b]) + k)
+                       for b in np.flatnonzero(active))
+            if need <= engine.pages.free_pages:
+                break
+            if pending:  # read every launched step first: a victim's tokens must be known
+                while pending:
+                    self._consume(pending.popleft())
+                continue
+            if not self._preempt():
+                return None
+        pieces = self._pieces(engine.pages.free_pages - need) if self._prefilling else []
+        if not active.any() and not pieces:
             return None
-        self.state, out = self.engine.step(self.state, active, allowed)
+        self.state, out = engine.step(self.state, active, allowed, [p for p, _ in pieces])
         _start_copy(out)
         self.stats["steps"] += 1
-        self.grammar.launched(np.flatnonzero(active))
-        return _Pending(out, {i: s for i, s in enumerate(self._slots) if active[i]},
-                        first=False)
+        owners = [(int(i), int(i), self._slots[i]) for i in np.flatnonzero(active)]
+        r = 0
+        for piece, seq in pieces:
+            seq.fed = piece.start + len(piece.tokens)
+            if piece.settings is not None:
+                owners.append((B + r, piece.slot, seq))
+                self._prefilling.remove(piece.slot)
+                r += 1
+        launched = [slot for _, slot, _ in owners]
+        self.grammar.launched(np.array(launched, np.int64))
+        return _Pending(out, owners)
+
+    def _preempt(self) -> bool:
+        """Frees the most recently admitted sequence's row and puts its request back at the
+        head of the queue (recomputed later); a sequence alone that outgrew the pool ends
+        with finish_reason "length". False when nothing could be freed."""
+        order = sorted((at, slot) for slot, (rid, at) in self._admitted_at.items()
+                       if self._slots[slot] is not None
+                       and self._slots[slot].request.request_id == rid)
+        if not order:
+            return False
+        _, slot = order[-1]
+        seq = self._slots[slot]
+        if len(order) == 1:  # nothing else holds pages: the pool can't hold this sequence
+            seq.end_for_length()
+            self._free_slot(slot)
+            return True
+        self._free_slot(slot)
+        self.stats["preempted"] += 1
+        with self._lock:
+            self._waiting.appendleft(seq)
+        return True
 
     def _consume(self, pending: _Pending) -> None:
         out = pending.output
@@ -327,26 +426,27 @@ class Scheduler:
         logprobs = np.asarray(out.logprobs)
         top_ids = np.asarray(out.top_ids)
         top_lps = np.asarray(out.top_logprobs)
-        for i, (slot, seq) in enumerate(pending.owners.items()):
+        B = self.num_slots
+        for col, slot, seq in pending.owners:
             if self._slots[slot] is not seq or seq.finished:
                 continue
             self.grammar.consumed(slot)
-            col = i if pending.first else slot  # prefill output: column i is item i
-            for k in range(tokens.shape[0]):
+            steps = tokens.shape[0] if col < B else 1
+            for k in range(steps):
                 seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
                               top_ids[k, col], top_lps[k, col])
                 self.stats["tokens"] += 1
                 if seq.finished:
                     break
             if seq.finished:
-                self._slots[slot] = None
+                self._free_slot(slot)
                 self.stats["finished"] += 1
 
     def _fail_slots(self, error: BaseException) -> None:
         for i, seq in enumerate(self._slots):
             if seq is not None:
                 seq.handle.post(Failed(error))
-                self._slots[i] = None
+                self._free_slot(i)
 
     def _fail_all(self, error: BaseException) -> None:
         self._fail_slots(error)
@@ -359,11 +459,11 @@ class Scheduler:
         for i, seq in enumerate(self._slots):
             if seq is not None:
                 seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated, "shutdown"))
-                self._slots[i] = None
+                self._free_slot(i)
         with self._lock:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for seq in waiting:
-            seq.handle.post(Cancelled(seq.prompt_len, 0, "shutdown"))
+            seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated, "shutdown"))
 
 
 def _start_copy(output: Any) -> None:

@@ -44,6 +44,13 @@ class Sequence:
         self.num_generated = 0
         self.token_ids: list[int] = []
         self.finished = False
+        # The batching loop's bookkeeping: the engine settings (fixed at first admission,
+        # seed included, so a preempted request resumes with the same ones), the tokens to
+        # prefill (the prompt, plus what was generated before a preemption) and how many of
+        # them are in the pages.
+        self.settings = None
+        self.feed: list[int] = []
+        self.fed = 0
 
     def slot_settings(self, seed: int, first_mask: np.ndarray | None = None):
         """The engine's per-slot settings for this request (strings resolved to token ids;
@@ -107,6 +114,11 @@ class Sequence:
             self._finish("length", None)
         elif self.matcher is not None and self.matcher.is_stopped():
             self._finish("stop", None)  # the grammar is complete: only eos could follow
+
+    def end_for_length(self) -> None:
+        """Ends the request with finish_reason "length" (the KV cache cannot hold more)."""
+        if not self.finished:
+            self._finish("length", None)
 
     def _emit(self, ids: tuple[int, ...], text: str, lp: tuple[TokenLogprob, ...]) -> None:
         self.handle.post(Token(ids, text, lp))

@@ -58,9 +58,9 @@ def _run(cfg, graphdef, params, mesh, cache_dir: str) -> dict:
     q = engine.params.layers[0]["attn"]["q_proj"][...]
     return dict(
         mesh=list(engine.mesh.shape.values()), tokens=tokens,
-        devices=len(state.cache.kt[0].sharding.device_set),
+        devices=len(state.pages[0].sharding.device_set),
         q_proj_spec=[str(x) for x in q.sharding.spec],
-        cache_spec=[str(x) for x in state.cache.kt[0].sharding.spec],
+        cache_spec=[str(x) for x in state.pages[0].sharding.spec],
         positions_spec=[str(x) for x in state.positions.sharding.spec],
         counts_spec=[str(x) for x in state.history.counts.sharding.spec],
         out_replicated=bool(outs[-1].tokens.sharding.is_fully_replicated),
@@ -122,12 +122,14 @@ def test_greedy_tokens_identical_to_one_device(reports):
 def test_arrays_sharded_by_the_rules(reports):
     r = _by(reports, "llama-h8-k8", (2, 4))
     assert r["q_proj_spec"] == ["None", "model", "None"]  # [E, H, D]: heads on model
-    assert r["cache_spec"] == ["data", "model", "None", "None"]  # kt [B, K, D, S]
+    # page pool [N, ps, 2K, D]: key/value head pairs on model; pages shared by every row,
+    # so not on data
+    assert r["cache_spec"] == ["None", "None", "model", "None"]
     assert r["positions_spec"] == ["data"] and r["counts_spec"] == ["data", "None"]
     # 2 kv heads on model=4: replicated; sharded on model=2
-    assert _by(reports, "qwen3-h8-k2", (2, 4))["cache_spec"] == ["data", "None", "None",
+    assert _by(reports, "qwen3-h8-k2", (2, 4))["cache_spec"] == ["None", "None", "None",
                                                                  "None"]
-    assert _by(reports, "qwen3-h8-k2", (4, 2))["cache_spec"] == ["data", "model", "None",
+    assert _by(reports, "qwen3-h8-k2", (4, 2))["cache_spec"] == ["None", "None", "model",
                                                                  "None"]
     assert all(r["out_replicated"] for r in reports)
 
@@ -137,7 +139,7 @@ def test_slot_buckets_start_at_the_data_axis_and_nothing_recompiles(reports):
         data = r["mesh"][0]
         assert r["buckets"][0] == data and all(b % data == 0 for b in r["buckets"])
         assert r["plan_slots"] == SHAPES["max_slots"]
-        assert r["step_compiles"] <= 1  # one generate program for the bucket in use
+        assert r["step_compiles"] <= 1  # one decode program for the bucket in use
 
 
 if __name__ == "__main__":

@@ -175,12 +175,13 @@ def test_full_queue_is_busy_and_stop_ends_every_stream(tiny_llm):
     gate = threading.Event()
     real_step = engine.step
 
-    def slow_step(state, active=None, allowed=None):
+    def slow_step(state, *args, **kwargs):
         gate.wait(10)
-        return real_step(state, active, allowed)
+        return real_step(state, *args, **kwargs)
 
     sched.engine = type("Slow", (), {})()  # a view of the engine whose step waits for us
-    for name in ("config", "model_config", "add", "init_decode_state", "warmup"):
+    for name in ("config", "model_config", "add", "init_decode_state", "warmup", "pages",
+                 "lengths", "release"):
         setattr(sched.engine, name, getattr(engine, name))
     sched.engine.step = slow_step
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
@@ -200,11 +201,11 @@ def test_loop_survives_an_engine_error(tiny_llm):
     real = engine.step
     calls = {"n": 0}
 
-    def broken(state, active=None, allowed=None):
+    def broken(state, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return real(state, active, allowed)
+        return real(state, *args, **kwargs)
 
     engine.step = broken
     try:

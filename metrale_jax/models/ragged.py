@@ -1,0 +1,114 @@
+"""One ragged step of the model over a paged KV cache: decode rows and prefill chunks together.
+
+A step's T tokens are laid out flat, in two tiers whose sizes are static:
+- tokens `0 .. n-1`: one decode token for each of the rows `0 .. n-1` (a row not decoding this
+  step writes to the null page and its output is ignored);
+- tokens `n .. n+C-1`: the prefill chunk, made of whole prompts and prompt pieces of any rows
+  (token t belongs to row `chunk_rows[t]`, -1 for padding), at most one of which has earlier
+  context in the pages (a long prompt's later piece).
+Every token's key and value are written into its row's pages first; then decode rows attend to
+their pages and the chunk attends to itself plus that one context (`models/paged_attention.py`).
+The projections, norms and MLP run once over all T tokens, so a prompt riding along costs
+its tokens' compute and never stops the rows that decode.
+
+Layers run unrolled over `LayerParams` (one traced body per layer shape, as `models.unrolled`),
+each layer's page pool updated in place when the caller donates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.models.paged_attention import chunk_attention, decode_attention, write_kv
+from metrale_jax.models.unrolled import LayerGraph, LayerParams, _embed, _head
+
+# Logical axes of one layer's page pool [N, ps, 2K, D] (engine/sharding.py maps them).
+PAGE_AXES: tuple[str | None, ...] = (None, None, "kv_pairs", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Where each token of a ragged step reads and writes (device arrays; shapes static).
+
+    slots: [T] int32, the flat pool slot (page * ps + offset) each token's key and value go
+        to (the null page for padding and idle rows).
+    dec_table: [n, PPS] int32, the decode rows' page tables; dec_lens: [n] int32, the
+        positions each decode row attends to (its new token included; 0 = idle);
+        dec_span: int32 index into the spans covering max(dec_lens).
+    chunk_rows: [C] int32, the row of each chunk token (-1 = padding).
+    ctx_table: [PPS] int32, the page table of the chunk's one row with context; ctx_row: its
+        row (-1 = none); ctx_len: int32, its positions already in the pages; ctx_span: index
+        into `(0, *spans)` covering ctx_len.
+    """
+
+    slots: jax.Array
+    dec_table: jax.Array
+    dec_lens: jax.Array
+    dec_span: jax.Array
+    chunk_rows: jax.Array
+    ctx_table: jax.Array
+    ctx_row: jax.Array
+    ctx_len: jax.Array
+    ctx_span: jax.Array
+
+
+def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
+                  tokens: jax.Array, positions: jax.Array, layout: StepLayout, *, n: int,
+                  spans: tuple[int, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The model over one ragged step's tokens, up to the final hidden states.
+
+    tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
+    docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows; spans: static attention
+    spans (multiples of ps, increasing, the last = PPS * ps). Returns the hidden states
+    `[T, E]` (before the final norm: `head` turns chosen rows into logits) and the pools with
+    this step's keys and values written.
+    """
+    x = _embed(graph, params, tokens)
+    new_pages = []
+    for state, sliding, pool in zip(params.layers, graph.cfg.layer_is_sliding, pages,
+                                    strict=True):
+        x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, layout,
+                                sliding=bool(sliding), n=n, spans=spans)
+        new_pages.append(pool)
+    return x, tuple(new_pages)
+
+
+def head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
+    """Hidden states `[R, E]` -> logits `[R, V] float32` (final norm, LM head, soft-cap)."""
+    return _head(graph, params, x)
+
+
+@functools.partial(jax.jit, static_argnames=("block_def", "sliding", "n", "spans"))
+def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, *, sliding: bool,
+                  n: int, spans: tuple[int, ...]):
+    """One decoder layer over a ragged step: x [T, E] -> ([T, E], the pool written)."""
+    block = nnx.merge(block_def, state)
+    attn = block.attn
+    cfg = attn.cfg
+    q, k, v = attn._qkv(block.attn_norm(x)[None], positions[None])
+    q, k, v = q[0], k[0], v[0]  # [T, H, D], [T, K, D]
+    pool = write_kv(pool, k, v, layout.slots)
+    opts = dict(sm_scale=cfg.attention_scale,
+                sliding_window=cfg.sliding_window if (sliding and cfg.sliding_window) else None,
+                soft_cap=cfg.attn_logit_softcap or None)
+    parts = []
+    if n:
+        parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens,
+                                      lengths=spans, length_index=layout.dec_span, **opts))
+    if q.shape[0] > n:
+        parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows, positions[n:],
+                                     pool, layout.ctx_table, layout.ctx_row, layout.ctx_len,
+                                     lengths=(0, *spans), length_index=layout.ctx_span,
+                                     **opts))
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    y = jnp.einsum("thd,hde->te", out.astype(x.dtype), attn.o_proj[...])
+    return block._rest(x, y), pool
+
+
+__all__ = ["PAGE_AXES", "StepLayout", "head", "ragged_layers"]

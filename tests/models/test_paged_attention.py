@@ -1,0 +1,212 @@
+"""Paged attention's XLA path against JAX's reference `ref_ragged_paged_attention`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+from metrale_jax.models.paged_attention import (
+    attention_spans,
+    chunk_attention,
+    decode_attention,
+    ragged_paged_attention,
+    span_index,
+    use_tpu_kernel,
+    write_kv,
+)
+
+K, G, D = 2, 2, 8  # kv heads, query heads per kv head, head dim
+H = K * G
+PS, PPS = 4, 8  # page size, pages per sequence
+MAX_LEN = PS * PPS
+S = 8  # rows of the page table (max sequences)
+N = 1 + S * PPS  # pages, page 0 the null page
+SCALE = D**-0.5
+
+rpa = jax.jit(ragged_paged_attention, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "mask_value", "num_decode", "min_span"))
+
+
+def make_batch(seed: int, decode_lens: list[int], prefill: list[tuple[int, int]], T: int):
+    """A random batch: decode rows of the given kv lengths, then prefill sequences given as
+    (q_len, ctx_len), then T - tokens padding tokens. Returns the kernel's arguments."""
+    rng = np.random.default_rng(seed)
+    q_lens = [1] * len(decode_lens) + [q for q, _ in prefill]
+    kv_lens = list(decode_lens) + [q + c for q, c in prefill]
+    num_seqs = len(q_lens)
+    assert num_seqs <= S and sum(q_lens) <= T and max(kv_lens) <= MAX_LEN
+    free = list(rng.permutation(np.arange(1, N)))
+    # Unused table entries and rows past num_seqs hold random pages: they must never be read.
+    table = rng.integers(0, N, (S, PPS)).astype(np.int32)
+    for i, kv_len in enumerate(kv_lens):
+        for j in range(-(-kv_len // PS)):
+            table[i, j] = free.pop()
+    kv_all = np.zeros(S, np.int32)
+    kv_all[:num_seqs] = kv_lens
+    kv_all[num_seqs:] = rng.integers(0, MAX_LEN + 1, S - num_seqs)  # ignored past num_seqs
+    cu = np.full(S + 1, sum(q_lens), np.int32)
+    cu[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    pages = rng.standard_normal((N, PS, 2 * K, D)).astype(np.float32)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    return (jnp.asarray(q), jnp.asarray(pages), jnp.asarray(kv_all), jnp.asarray(table),
+            jnp.asarray(cu), jnp.asarray([num_seqs], jnp.int32))
+
+
+def check(args, num_decode: int, **kw):
+    """Our output against the reference's on the valid tokens; all tokens finite."""
+    q, pages, kv_lens, table, cu, num_seqs = args
+    out = np.asarray(rpa(*args, sm_scale=SCALE, num_decode=num_decode, **kw))
+    kw.pop("min_span", None)
+    ref = np.asarray(ref_ragged_paged_attention(
+        q, pages, kv_lens, table, cu, num_seqs, sm_scale=SCALE, **kw))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[: ref.shape[0]], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_batch_matches_reference(seed, sliding_window, soft_cap):
+    rng = np.random.default_rng(100 + seed)
+    decode_lens = [int(x) for x in rng.integers(1, MAX_LEN + 1, rng.integers(1, 4))]
+    q_ctx = int(rng.integers(1, 7))
+    prefill = [(q_ctx, int(rng.integers(1, MAX_LEN - q_ctx + 1)))]
+    prefill += [(int(rng.integers(1, 7)), 0) for _ in range(rng.integers(1, 3))]
+    prefill = [prefill[i] for i in rng.permutation(len(prefill))]  # context anywhere
+    args = make_batch(seed, decode_lens, prefill, T=32)
+    check(args, len(decode_lens), sliding_window=sliding_window, soft_cap=soft_cap, min_span=4)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_prefill_only(sliding_window):
+    args = make_batch(7, [], [(5, 0), (6, 13), (3, 0)], T=16)
+    check(args, 0, sliding_window=sliding_window, min_span=4)
+
+
+def test_fresh_prefill_only_default_spans():
+    args = make_batch(8, [], [(5, 0), (7, 0)], T=14)
+    check(args, 0)
+
+
+@pytest.mark.parametrize("T", [4, 6])  # exactly the decode rows; or two padding tokens after
+def test_decode_only(T):
+    args = make_batch(9, [32, 1, 9, 17], [], T=T)
+    check(args, 4, min_span=4)
+    check(args, 4, sliding_window=4, soft_cap=2.0)
+
+
+def test_idle_decode_rows_and_padding_are_finite():
+    # num_decode 4 but only 2 sequences: rows 2 and 3 are idle; tokens 4.. are padding.
+    q, pages, kv_lens, table, cu, _ = make_batch(10, [5, 20, 3, 3], [], T=8)
+    num_seqs = jnp.asarray([2], jnp.int32)
+    out = np.asarray(rpa(q, pages, kv_lens, table, cu, num_seqs, sm_scale=SCALE,
+                         num_decode=4, min_span=4))
+    assert np.isfinite(out).all()
+    ref = np.asarray(ref_ragged_paged_attention(q, pages, kv_lens, table, cu, num_seqs,
+                                                sm_scale=SCALE))
+    np.testing.assert_allclose(out[:2], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kv_len_zero_is_zero():
+    _, pages, _, table, _, _ = make_batch(11, [5, 5, 5], [], T=3)
+    q = jnp.ones((3, H, D), jnp.float32)
+    kv_lens = jnp.asarray([0, 6, 0], jnp.int32)
+    spans = attention_spans(MAX_LEN, PS, 4)
+    out = decode_attention(q, pages, table[:3], kv_lens, sm_scale=SCALE, sliding_window=2,
+                           soft_cap=None, lengths=spans, length_index=span_index(spans, 6))
+    out = np.asarray(out)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[[0, 2]], 0.0)
+
+
+def test_decode_same_for_every_sufficient_span():
+    q, pages, kv_lens, table, _, _ = make_batch(12, [7, 3, 8], [], T=3)
+    spans = attention_spans(MAX_LEN, PS, 4)  # (4, 8, 16, 32)
+    assert spans == (4, 8, 16, 32)
+    f = jax.jit(functools.partial(decode_attention, sm_scale=SCALE, sliding_window=None,
+                                  soft_cap=None, lengths=spans))
+    outs = [np.asarray(f(q, pages, table[:3], kv_lens[:3], length_index=jnp.int32(i)))
+            for i in range(1, 4)]
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=1e-6, atol=1e-6)
+
+
+def test_chunk_padding_finite_and_context_span_invariant():
+    rng = np.random.default_rng(13)
+    C = 8
+    q = jnp.asarray(rng.standard_normal((C, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((C, K, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((C, K, D)), jnp.float32)
+    pages = jnp.asarray(rng.standard_normal((N, PS, 2 * K, D)), jnp.float32)
+    ctx_table = jnp.asarray(rng.permutation(np.arange(1, N))[:PPS], jnp.int32)
+    # Sequence 3 at positions 6..9 after 6 context positions, sequence 5 fresh, two padding.
+    tok_seq = jnp.asarray([3, 3, 3, 3, 5, 5, -1, -1], jnp.int32)
+    tok_pos = jnp.asarray([6, 7, 8, 9, 0, 1, 0, 0], jnp.int32)
+    lengths = (0, *attention_spans(MAX_LEN, PS, 4))
+    f = jax.jit(functools.partial(chunk_attention, sm_scale=SCALE, sliding_window=None,
+                                  soft_cap=1.5, lengths=lengths))
+    outs = [np.asarray(f(q, k, v, tok_seq, tok_pos, pages, ctx_table, jnp.int32(3), jnp.int32(6),
+                         length_index=jnp.int32(i))) for i in (2, 3, 4)]
+    for out in outs:
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, outs[0], rtol=1e-6, atol=1e-6)
+    # Without context (index 0, or ctx_seq -1 at any span) sequence 5 is unchanged, 3 is not.
+    for seq, index in ((jnp.int32(3), 0), (jnp.int32(-1), 4)):
+        none = np.asarray(f(q, k, v, tok_seq, tok_pos, pages, ctx_table, seq, jnp.int32(6),
+                            length_index=jnp.int32(index)))
+        assert np.isfinite(none).all()
+        np.testing.assert_allclose(none[4:6], outs[0][4:6], rtol=1e-6, atol=1e-6)
+        assert not np.allclose(none[:4], outs[0][:4])
+
+
+def test_write_kv_round_trip_and_null_page():
+    rng = np.random.default_rng(14)
+    pages = jnp.asarray(rng.standard_normal((N, PS, 2 * K, D)), jnp.float32)
+    table = rng.permutation(np.arange(1, N))[:PPS].astype(np.int32)
+    positions = np.asarray([0, 1, 5, 6, 7, 30, 31])
+    slots = table[positions // PS] * PS + positions % PS
+    # Three padding tokens, all at slots of page 0 (two at the same slot).
+    slots = jnp.asarray(np.concatenate([slots, [0, 0, 3]]), jnp.int32)
+    T = slots.shape[0]
+    k = jnp.asarray(rng.standard_normal((T, K, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((T, K, D)), jnp.float32)
+    new = np.asarray(jax.jit(write_kv)(pages, k, v, slots))
+    seq = new[table].reshape(MAX_LEN, 2 * K, D)  # read back through the page table
+    n = len(positions)
+    np.testing.assert_array_equal(seq[positions, 0::2], np.asarray(k)[:n])
+    np.testing.assert_array_equal(seq[positions, 1::2], np.asarray(v)[:n])
+    # Everything but the written slots (and page 0) is untouched.
+    expect = np.asarray(pages).reshape(N * PS, 2 * K, D).copy()
+    expect[np.asarray(slots)[:n]] = new.reshape(N * PS, 2 * K, D)[np.asarray(slots)[:n]]
+    np.testing.assert_array_equal(new.reshape(N * PS, 2 * K, D)[PS:], expect[PS:])
+
+
+def test_write_kv_casts_to_pages_dtype():
+    pages = jnp.zeros((3, PS, 2 * K, D), jnp.bfloat16)
+    k = jnp.ones((1, K, D), jnp.float32)
+    new = write_kv(pages, k, 2 * k, jnp.asarray([PS + 1], jnp.int32))
+    assert new.dtype == jnp.bfloat16
+    assert (np.asarray(new[1, 1, 0::2], np.float32) == 1).all()
+    assert (np.asarray(new[1, 1, 1::2], np.float32) == 2).all()
+
+
+def test_attention_spans_and_span_index():
+    assert attention_spans(32, 4, 4) == (4, 8, 16, 32)
+    assert attention_spans(32, 4) == (32,)
+    assert attention_spans(1000, 16) == (128, 256, 512, 1008)
+    assert attention_spans(512, 16, 100) == (112, 224, 448, 512)
+    assert attention_spans(4096, 256, 128) == (256, 512, 1024, 2048, 4096)
+    spans = (4, 8, 16, 32)
+    assert [int(span_index(spans, n)) for n in (0, 1, 4, 5, 8, 9, 32, 40)] == [
+        0, 0, 0, 1, 1, 2, 3, 3]
+
+
+def test_use_tpu_kernel_false_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert use_tpu_kernel() is False

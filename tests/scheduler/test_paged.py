@@ -1,0 +1,116 @@
+"""Paged KV under pressure: preemption, page accounting and prompts that ride along decoding."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from metrale_jax import SamplingParams
+from metrale_jax.errors import ContextLengthError
+from metrale_jax.scheduler import Cancelled, GenerationRequest, TimedOut, Token
+
+PARAMS = [SamplingParams(max_tokens=40, temperature=0.0 if j % 2 == 0 else 0.9, seed=50 + j,
+                         frequency_penalty=0.5 * (j % 3), repetition_penalty=1.0 + 0.2 * (j % 2),
+                         ignore_eos=True) for j in range(6)]
+PROMPTS = [[(13 * i + 7 * j) % 1000 for i in range(5 + 9 * j)] for j in range(6)]
+
+
+@pytest.fixture(scope="module")
+def small_pool_llm(tiny_folder):
+    """The tiny model with a pool of 7 usable pages of 16 positions (112 tokens, less than
+    max_len): too few for four sequences of 45-90 tokens at once."""
+    from metrale_jax import LLM
+    llm = LLM(tiny_folder, max_slots=4, max_len=128, max_prefill_len=32, max_prefill_batch=2,
+              num_pages=8)
+    _ = llm.scheduler
+    yield llm
+    llm.close()
+
+
+def _all_pages_back(scheduler) -> None:
+    pages = scheduler.engine.pages
+    pages.check()
+    assert pages.free_pages == pages.usable_pages
+
+
+def test_a_small_pool_preempts_and_gives_the_same_tokens(small_pool_llm, tiny_llm):
+    big = tiny_llm.generate(PROMPTS, PARAMS)
+    small = small_pool_llm.generate(PROMPTS, PARAMS)
+    assert small_pool_llm.scheduler.stats["preempted"] > 0
+    assert [c.token_ids for c in small] == [c.token_ids for c in big]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 40 for c in small)
+    _all_pages_back(small_pool_llm.scheduler)
+    _all_pages_back(tiny_llm.scheduler)
+
+
+def test_a_request_larger_than_the_pool_is_refused(small_pool_llm):
+    sched = small_pool_llm.scheduler
+    with pytest.raises(ContextLengthError, match="KV cache holds 112 tokens"):
+        sched.submit(GenerationRequest.make([1] * 100, SamplingParams(max_tokens=20)))
+
+
+def test_every_page_returns_after_a_mix_of_endings(small_pool_llm):
+    sched = small_pool_llm.scheduler
+    rng = np.random.default_rng(0)
+    handles, ends = [], []
+    for j in range(12):
+        ids = rng.integers(0, 1000, int(rng.integers(1, 60))).tolist()
+        sp = SamplingParams(max_tokens=int(rng.integers(1, 50)), temperature=0.8, seed=j,
+                            ignore_eos=True)
+        timeout = 0.0 if j % 5 == 4 else None
+        handles.append(sched.submit(GenerationRequest.make(ids, sp, timeout=timeout)))
+    for j, h in enumerate(handles):
+        if j % 4 == 1:
+            h.cancel()
+
+    def drain(h):
+        ends.append(list(h)[-1])
+    threads = [threading.Thread(target=drain, args=(h,)) for h in handles]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(ends) == 12
+    assert any(isinstance(e, Cancelled) for e in ends)
+    assert any(isinstance(e, TimedOut) for e in ends)
+    # The loop frees a slot when it reads the end: wait until it is idle again.
+    done = small_pool_llm.generate([[1, 2]], SamplingParams(max_tokens=1))[0]
+    assert len(done.token_ids) == 1
+    _all_pages_back(sched)
+
+
+def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
+    """While a 90-token prompt is prefilled in 32-token pieces, a stream already decoding
+    gets a token every step: no step of the loop runs the prompt alone."""
+    sched = tiny_llm.scheduler
+    engine = sched.engine
+    calls: list[tuple[int, int]] = []  # (decoding rows, prompt tokens) of each step
+    real = engine.step
+
+    def spy(state, active=None, allowed=None, pieces=()):
+        calls.append((int(np.sum(active)) if active is not None else -1,
+                      sum(len(p.tokens) for p in pieces)))
+        return real(state, active, allowed, pieces)
+
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    stream = sched.submit(GenerationRequest.make([1, 2, 3], sp))
+    events = iter(stream)
+    try:
+        assert isinstance(next(events), Token)
+        engine.step = spy  # from here on: the stream decodes, the long prompt arrives
+        long = sched.submit(GenerationRequest.make(list(range(5, 95)), sp))
+        long_tokens = [e for e in long if isinstance(e, Token)]
+        rest = [e for e in events if isinstance(e, Token)]
+    finally:
+        del engine.step
+    assert sum(len(e.token_ids) for e in long_tokens) == 30
+    assert sum(len(e.token_ids) for e in rest) == 29
+    with_prompt = [c for c in calls if c[1] > 0]
+    assert sum(c[1] for c in with_prompt) == 90  # the whole prompt, in pieces
+    assert len(with_prompt) >= 3  # 90 tokens under a 32-token budget
+    assert all(c[0] >= 1 for c in with_prompt)  # the stream decoded in each of them
+    # Same tokens as the prompt alone.
+    alone = tiny_llm.generate([list(range(5, 95))], sp)[0].token_ids
+    assert [t for e in long_tokens for t in e.token_ids] == list(alone)
