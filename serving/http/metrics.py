@@ -46,6 +46,14 @@ class _SchedulerCollector(Collector):
         yield gauge("slots_total", "Decode slots of the engine.", total)
         yield CounterMetricFamily(PREFIX + "compiles", "Programs compiled by the engine.",
                                   value=compiles)
+        stats = snap.get("stats", {})
+        yield CounterMetricFamily(PREFIX + "num_preemptions",
+                                  "Sequences preempted (pages freed, recomputed later) when the "
+                                  "KV page pool ran dry.", value=stats.get("preempted", 0))
+        pages = getattr(scheduler.engine, "pages", None) if scheduler is not None else None
+        usage = 0.0 if pages is None else 1 - pages.free_pages / pages.usable_pages
+        yield gauge("kv_cache_usage_perc", "Fraction of the KV page pool held by sequences.",
+                    usage)
 
 
 class Metrics:

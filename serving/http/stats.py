@@ -4,7 +4,7 @@
      "slots": {"total", "used", "running": [{"slot", "request_id", "prompt_tokens", "tokens",
                                              "running_s", "tokens_per_s"}]},
      "waiting", "requests_active", "compiles",
-     "counters": {"admitted", "finished", "steps", "tokens", "loop_errors"},
+     "counters": {"admitted", "finished", "steps", "tokens", "loop_errors", "preempted"},
      "errors": {"total", "by_status": {"400": n, ...},
                 "recent": [{"time", "status", "type", "message", "request_id"}]}}
 
@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 RECENT_ERRORS = 20
-COUNTERS = ("admitted", "finished", "steps", "tokens", "loop_errors")
+COUNTERS = ("admitted", "finished", "steps", "tokens", "loop_errors", "preempted")
 
 
 class ErrorLog:

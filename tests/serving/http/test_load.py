@@ -102,3 +102,6 @@ def test_metrics(base_url, client):
               "e2e_request_latency_seconds"):
         assert after[f"metrale:{h}_count"] > before.get(f"metrale:{h}_count", 0)
     assert after["metrale:num_requests_waiting"] == 0
+    # Idle: every page back in the pool; no preemption with this server's pool.
+    assert after["metrale:kv_cache_usage_perc"] == 0
+    assert after["metrale:num_preemptions_total"] == 0
