@@ -45,7 +45,8 @@ class StepShape:
     n: decode rows computed (rows 0 .. n-1); chunk: C prefill tokens (0 = decode only);
     finish: R prompts whose first token the step may sample (0 when chunk is 0);
     decode_steps: k decode steps in the call (k > 1 only without a chunk);
-    spans: the attention spans (multiples of the page size, ending at PPS * ps).
+    spans: the context spans of a continuing prompt (multiples of the page size, ending at
+        PPS * ps).
     """
 
     n: int
@@ -157,8 +158,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
             ctx_len = jnp.zeros((), jnp.int32)
             chunk_rows = jnp.zeros((0,), jnp.int32)
         layout = StepLayout(
-            slots=slots, dec_table=dec_table, dec_lens=dec_lens,
-            dec_span=span_index(shape.spans, jnp.max(dec_lens)), chunk_rows=chunk_rows,
+            slots=slots, dec_table=dec_table, dec_lens=dec_lens, chunk_rows=chunk_rows,
             ctx_table=ctx_table, ctx_row=chunk.ctx_row if C else jnp.int32(-1),
             ctx_len=ctx_len, ctx_span=span_index((0, *shape.spans), ctx_len))
         return ragged_layers(graph, params, pages, tokens, positions, layout, n=n,

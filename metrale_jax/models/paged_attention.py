@@ -39,6 +39,7 @@ __all__ = [
     "attention_spans",
     "chunk_attention",
     "decode_attention",
+    "decode_block_pages",
     "ragged_paged_attention",
     "span_index",
     "use_tpu_kernel",
@@ -84,12 +85,13 @@ def write_kv(pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> 
     occur). Returns the pool, `[N, ps, 2K, D]` in pages' dtype, with key head j of token t at
     `[slot_t, 2j]` and its value head at `[slot_t, 2j + 1]`.
     """
-    N, ps, K2, D = pages.shape
+    _, ps, K2, D = pages.shape
     T = k.shape[0]
     # [T, K, 2, D] -> [T, 2K, D]: key head j at 2j, value head j at 2j + 1.
     update = jnp.stack([k, v], axis=2).reshape(T, K2, D).astype(pages.dtype)
-    flat = pages.reshape(N * ps, K2, D).at[slots].set(update)
-    return flat.reshape(N, ps, K2, D)
+    # Indexed as [page, offset], never through the pool reshaped to [N*ps, 2K, D]: XLA:CPU
+    # turns a one-token write through that reshape into a copy of the whole pool.
+    return pages.at[slots // ps, slots % ps].set(update)
 
 
 def _scores(s: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
@@ -134,52 +136,72 @@ def _check_lengths(lengths: Sequence[int], ps: int, pps: int) -> None:
                          f"got {lengths}")
 
 
+def decode_block_pages(page_size: int, block: int = 64) -> int:
+    """Pages per block of `decode_attention`'s loop: about `block` positions, at least 1 page."""
+    return max(1, block // page_size)
+
+
 def decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
                      *, sm_scale: float, sliding_window: int | None, soft_cap: float | None,
-                     lengths: Sequence[int], length_index: jax.Array) -> jax.Array:
+                     block_pages: int | None = None) -> jax.Array:
     """Attention of one query per row to its sequence's cached keys.
 
     q: `[n, H, D]`, the query of row r at position `kv_lens[r] - 1` (its own key and value
     already written); pages: `[N, ps, 2K, D]`; page_table: `[n, PPS] int32`; kv_lens: `[n] int32`
     (0 for an idle row, whose output is 0). Query head h reads kv head `h // G`.
 
-    lengths: static increasing multiples of ps (e.g. `attention_spans(PPS * ps, ps)`), the spans
-    one `lax.switch` branch each gathers: row r reads positions `0 .. length - 1` of its pages.
-    length_index: traced int32 scalar; the caller guarantees
-    `lengths[length_index] >= max(kv_lens)`.
+    A loop over blocks of `block_pages` pages (default `decode_block_pages(ps)`) with an online
+    softmax, as many blocks as the longest row needs (a traced trip count): a step costs what
+    its rows hold, and each block's gathered keys stay in cache while both products read
+    them. (Gathering a whole span first and then multiplying costs several times more on
+    XLA:CPU once it outgrows the cache: bench/paged.py.) Blocks past a row's length add exact
+    zeros, so a row's result does not depend on the others in the batch.
 
     Key position kp is visible when `kp < kv_len` and, with a sliding window w,
-    `kv_len - 1 - kp < w`. Scores: `s * sm_scale`, then `soft_cap * tanh(s / soft_cap)`.
-    Returns `[n, H, D]` in q's dtype.
+    `kv_len - 1 - kp < w` (blocks wholly before every row's window are skipped). Scores:
+    `s * sm_scale`, then `soft_cap * tanh(s / soft_cap)`. Returns `[n, H, D]` in q's dtype.
     """
     n, H, D = q.shape
     _, ps, K2, _ = pages.shape
     K = K2 // 2
     G = H // K
-    _check_lengths(lengths, ps, page_table.shape[1])
+    bp = block_pages or decode_block_pages(ps)
+    span = bp * ps
     kv_lens = kv_lens.astype(jnp.int32)
     qg = q.reshape(n, K, G, D)
+    # bp null columns past the end: a block's dynamic slice never runs off the table.
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, bp)))
+    stop = (jnp.max(kv_lens) + span - 1) // span
+    start = jnp.zeros((), jnp.int32)
+    if sliding_window is not None:
+        first = jnp.min(jnp.where(kv_lens > 0, kv_lens - sliding_window, jnp.int32(2**30)))
+        start = jnp.clip(first, 0, None) // span
+    neg = jnp.finfo(jnp.float32).min
 
-    def branch(length: int):
-        def attend(qg, pages, page_table, kv_lens):
-            if length == 0:
-                return jnp.zeros((n, H, D), q.dtype)
-            k, v = _gather_kv(pages, page_table, length)  # [n, L, K, D]
-            s = jnp.einsum("nkgd,nlkd->nkgl", qg, k, preferred_element_type=jnp.float32)
-            s = _scores(s, sm_scale, soft_cap)
-            kp = jnp.arange(length, dtype=jnp.int32)[None, :]
-            valid = kp < kv_lens[:, None]  # [n, L]
-            if sliding_window is not None:
-                valid &= (kv_lens[:, None] - 1) - kp < sliding_window
-            (w,), denom = _softmax_parts([(s, valid[:, None, None, :])])
-            out = jnp.einsum("nkgl,nlkd->nkgd", w.astype(v.dtype), v,
-                             preferred_element_type=jnp.float32)
-            return (out / denom).reshape(n, H, D).astype(q.dtype)
+    def block(b, carry):
+        m, denom, acc = carry
+        idx = jax.lax.dynamic_slice_in_dim(table, b * bp, bp, axis=1)  # [n, bp]
+        kv = pages[idx].reshape(n, span, K, 2, D)
+        k, v = kv[..., 0, :], kv[..., 1, :]
+        s = jnp.einsum("nkgd,nlkd->nkgl", qg, k, preferred_element_type=jnp.float32)
+        s = _scores(s, sm_scale, soft_cap)
+        kp = b * span + jnp.arange(span, dtype=jnp.int32)[None, :]
+        valid = kp < kv_lens[:, None]  # [n, span]
+        if sliding_window is not None:
+            valid &= (kv_lens[:, None] - 1) - kp < sliding_window
+        valid = valid[:, None, None, :]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(valid, s, neg), axis=-1, keepdims=True))
+        w = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+        scale = jnp.exp(m - m_new)
+        out = jnp.einsum("nkgl,nlkd->nkgd", w.astype(v.dtype), v,
+                         preferred_element_type=jnp.float32)
+        return m_new, denom * scale + jnp.sum(w, axis=-1, keepdims=True), acc * scale + out
 
-        return attend
-
-    branches = [branch(length) for length in lengths]
-    return jax.lax.switch(length_index, branches, qg, pages, page_table, kv_lens)
+    init = (jnp.full((n, K, G, 1), neg, jnp.float32), jnp.zeros((n, K, G, 1), jnp.float32),
+            jnp.zeros((n, K, G, D), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(start, stop, block, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(n, H, D).astype(q.dtype)
 
 
 def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, tok_seq: jax.Array,
@@ -308,8 +330,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
         dec_lens = jnp.where(live[:num_decode], kv_lens[:num_decode], 0)
         outs.append(decode_attention(
             q[:num_decode], kv_pages, page_indices[:num_decode], dec_lens, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, lengths=spans,
-            length_index=span_index(spans, jnp.max(dec_lens))))
+            sliding_window=sliding_window, soft_cap=soft_cap))
 
     C = T - num_decode
     if C:

@@ -39,8 +39,7 @@ class StepLayout:
     slots: [T] int32, the flat pool slot (page * ps + offset) each token's key and value go
         to (the null page for padding and idle rows).
     dec_table: [n, PPS] int32, the decode rows' page tables; dec_lens: [n] int32, the
-        positions each decode row attends to (its new token included; 0 = idle);
-        dec_span: int32 index into the spans covering max(dec_lens).
+        positions each decode row attends to (its new token included; 0 = idle).
     chunk_rows: [C] int32, the row of each chunk token (-1 = padding).
     ctx_table: [PPS] int32, the page table of the chunk's one row with context; ctx_row: its
         row (-1 = none); ctx_len: int32, its positions already in the pages; ctx_span: index
@@ -50,7 +49,6 @@ class StepLayout:
     slots: jax.Array
     dec_table: jax.Array
     dec_lens: jax.Array
-    dec_span: jax.Array
     chunk_rows: jax.Array
     ctx_table: jax.Array
     ctx_row: jax.Array
@@ -64,10 +62,10 @@ def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array
     """The model over one ragged step's tokens, up to the final hidden states.
 
     tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
-    docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows; spans: static attention
-    spans (multiples of ps, increasing, the last = PPS * ps). Returns the hidden states
-    `[T, E]` (before the final norm: `head` turns chosen rows into logits) and the pools with
-    this step's keys and values written.
+    docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows; spans: static spans of
+    the chunk's context (multiples of ps, increasing, the last = PPS * ps). Returns the
+    hidden states `[T, E]` (before the final norm: `head` turns chosen rows into logits) and
+    the pools with this step's keys and values written.
     """
     x = _embed(graph, params, tokens)
     new_pages = []
@@ -99,15 +97,16 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, *, s
                 soft_cap=cfg.attn_logit_softcap or None)
     parts = []
     if n:
-        parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens,
-                                      lengths=spans, length_index=layout.dec_span, **opts))
+        parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens, **opts))
     if q.shape[0] > n:
         parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows, positions[n:],
                                      pool, layout.ctx_table, layout.ctx_row, layout.ctx_len,
                                      lengths=(0, *spans), length_index=layout.ctx_span,
                                      **opts))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-    y = jnp.einsum("thd,hde->te", out.astype(x.dtype), attn.o_proj[...])
+    # [T, H*D] @ [H*D, E]: an einsum over (h, d) makes XLA:CPU transpose o_proj every step.
+    T, H, D = out.shape
+    y = out.astype(x.dtype).reshape(T, H * D) @ attn.o_proj[...].reshape(H * D, -1)
     return block._rest(x, y), pool
 
 

@@ -117,24 +117,25 @@ def test_decode_kv_len_zero_is_zero():
     _, pages, _, table, _, _ = make_batch(11, [5, 5, 5], [], T=3)
     q = jnp.ones((3, H, D), jnp.float32)
     kv_lens = jnp.asarray([0, 6, 0], jnp.int32)
-    spans = attention_spans(MAX_LEN, PS, 4)
     out = decode_attention(q, pages, table[:3], kv_lens, sm_scale=SCALE, sliding_window=2,
-                           soft_cap=None, lengths=spans, length_index=span_index(spans, 6))
+                           soft_cap=None)
     out = np.asarray(out)
     assert np.isfinite(out).all()
     np.testing.assert_array_equal(out[[0, 2]], 0.0)
 
 
-def test_decode_same_for_every_sufficient_span():
-    q, pages, kv_lens, table, _, _ = make_batch(12, [7, 3, 8], [], T=3)
-    spans = attention_spans(MAX_LEN, PS, 4)  # (4, 8, 16, 32)
-    assert spans == (4, 8, 16, 32)
-    f = jax.jit(functools.partial(decode_attention, sm_scale=SCALE, sliding_window=None,
-                                  soft_cap=None, lengths=spans))
-    outs = [np.asarray(f(q, pages, table[:3], kv_lens[:3], length_index=jnp.int32(i)))
-            for i in range(1, 4)]
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_same_for_every_block_size_and_alone(window):
+    # The block loop's size and the other rows' lengths (more blocks for the longest) change
+    # nothing in a row's result: masked blocks add exact zeros.
+    q, pages, kv_lens, table, _, _ = make_batch(12, [7, 3, 30], [], T=3)
+    f = jax.jit(functools.partial(decode_attention, sm_scale=SCALE, sliding_window=window,
+                                  soft_cap=None), static_argnames="block_pages")
+    outs = [np.asarray(f(q, pages, table[:3], kv_lens[:3], block_pages=bp)) for bp in (1, 2, 8)]
     for out in outs[1:]:
         np.testing.assert_allclose(out, outs[0], rtol=1e-6, atol=1e-6)
+    alone = np.asarray(f(q[:2], pages, table[:2], kv_lens[:2], block_pages=1))
+    np.testing.assert_array_equal(alone, outs[0][:2])
 
 
 def test_chunk_padding_finite_and_context_span_invariant():
