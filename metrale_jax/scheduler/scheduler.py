@@ -333,17 +333,26 @@ class Scheduler:
         self.stats["admitted"] += sum(1 for _, s in admitted if not s.token_ids)
 
     def _pieces(self, budget_pages: int) -> list[tuple[Piece, Sequence]]:
-        """The prompt pieces of the next step, in admission order: under the token budget,
-        at most `max_prefill_batch` finishing, one continuing, and within `budget_pages`."""
+        """The prompt pieces of the next step, in admission order: filling the largest chunk
+        bucket that the waiting prompt tokens cover (the last piece cut to fit), at most
+        `max_prefill_batch` finishing, one continuing, and within `budget_pages`."""
         cfg, pages = self.engine.config, self.engine.pages
         out: list[tuple[Piece, Sequence]] = []
         used = finishing = 0
         continuing = False
+        # The chunk fills the largest bucket the waiting prompt tokens cover, the last piece
+        # cut to fit (the rest rides along the next step): a step computes no padding but
+        # when the prompts left are shorter than the smallest bucket.
+        waiting = sum(len(self._slots[s].feed) - self._slots[s].fed for s in self._prefilling)
+        filled = [c for c in cfg.chunk_buckets if c <= waiting]
+        target = filled[-1] if filled else cfg.chunk_buckets[0]
         for slot in self._prefilling:
             seq = self._slots[slot]
             start = seq.fed
-            end = min(len(seq.feed), start + cfg.max_prefill_len)
+            end = min(len(seq.feed), start + target - used)
             size = end - start
+            if size <= 0:
+                break
             last = end == len(seq.feed)
             need = pages.shortfall(slot, end)
             if (used + size > cfg.max_prefill_len or (start and continuing)
