@@ -52,7 +52,6 @@ from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.engine.sharding import abstract_params, shard_params
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput, settings_to_arrays
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
-from metrale_jax.models.paged_attention import attention_spans
 from metrale_jax.models.unrolled import LayerParams, split_layers
 
 log = logging.getLogger(__name__)
@@ -130,7 +129,6 @@ class Engine:
         self.pages = PageTable(self.num_pages, cfg.page_size, B, cfg.max_len)
         # Host mirror of each row's position (where its next token goes), for page allocation.
         self.lengths = np.zeros(B, np.int64)
-        self.spans = attention_spans(cfg.max_len, cfg.page_size)
         self._sc = steps.SampleConfig(N, cfg.logprobs_mode)
         sh = StepShardings(self.mesh, model_config, cfg)
         self.shardings = sh
@@ -186,8 +184,7 @@ class Engine:
         return self._executable(("init",), self._jit_init)
 
     def _shape(self, n: int, chunk: int, k: int) -> steps.StepShape:
-        return steps.StepShape(n, chunk, self.config.max_prefill_batch if chunk else 0, k,
-                               self.spans)
+        return steps.StepShape(n, chunk, self.config.max_prefill_batch if chunk else 0, k)
 
     def _step_exe(self, n: int, chunk: int, k: int):
         """The ragged step of n decode rows, a chunk of `chunk` tokens and k decode steps."""

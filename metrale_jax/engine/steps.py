@@ -44,16 +44,13 @@ class StepShape:
 
     n: decode rows computed (rows 0 .. n-1); chunk: C prefill tokens (0 = decode only);
     finish: R prompts whose first token the step may sample (0 when chunk is 0);
-    decode_steps: k decode steps in the call (k > 1 only without a chunk);
-    spans: the context spans of a continuing prompt (multiples of the page size, ending at
-        PPS * ps).
+    decode_steps: k decode steps in the call (k > 1 only without a chunk).
     """
 
     n: int
     chunk: int
     finish: int
     decode_steps: int
-    spans: tuple[int, ...]
 
 
 @jax.tree_util.register_dataclass
@@ -99,11 +96,6 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
         positions=zeros, tokens=zeros, steps=zeros,
         sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
         history=TokenHistory.zeros(slots, length, cfg.vocab_size))
-
-
-def span_index(spans: tuple[int, ...], needed: jax.Array) -> jax.Array:
-    """The index of the first of `spans` (increasing) that is >= `needed` (int32 scalar)."""
-    return jnp.sum(jnp.asarray(spans[:-1]) < needed).astype(jnp.int32)
 
 
 def _slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array, page_size: int):
@@ -160,9 +152,8 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         layout = StepLayout(
             slots=slots, dec_table=dec_table, dec_lens=dec_lens, chunk_rows=chunk_rows,
             ctx_table=ctx_table, ctx_row=chunk.ctx_row if C else jnp.int32(-1),
-            ctx_len=ctx_len, ctx_span=span_index((0, *shape.spans), ctx_len))
-        return ragged_layers(graph, params, pages, tokens, positions, layout, n=n,
-                             spans=shape.spans)
+            ctx_len=ctx_len)
+        return ragged_layers(graph, params, pages, tokens, positions, layout, n=n)
 
     def decode_once(carry):
         pages, positions, tokens, steps_, history = carry

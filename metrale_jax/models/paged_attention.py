@@ -14,34 +14,29 @@ On TPU, `ragged_paged_attention` calls the Pallas kernel. Elsewhere (CPU, GPU) i
 path in two tiers, because one gather per query token of its whole context would cost a long
 prefill chunk `C * span` page reads:
 
-- decode rows (one query each) gather their own pages (`decode_attention`);
-- the prefill chunk attends densely to itself (its fresh keys and values, masked by sequence and
-  position) plus the context of at most one sequence, read from pages once for the whole chunk
-  (`chunk_attention`).
+- decode rows (one query each) read their own pages (`decode_attention`);
+- the prefill chunk attends to itself (its fresh keys and values, masked by sequence and
+  position) plus the context of at most one sequence, read from its pages (`chunk_attention`).
 
-Both gather only a static span of pages, chosen at run time from a few candidates (`lengths`,
-made by `attention_spans`) with `jax.lax.switch`, so a short batch does not pay for the longest
-sequence the page table could hold.
+Both loop over blocks of pages with an online softmax (flash attention's recurrence), the trip
+count traced from the lengths: a step costs what its sequences hold, not what the page table
+could hold, and no gathered block or score matrix outgrows the CPU's cache.
 
 Dimension letters: T tokens, H query heads, K kv heads, G = H // K query heads per kv head, D
-head dim, N pages, ps page size, PPS pages per sequence, n rows, C chunk tokens, L span.
+head dim, N pages, ps page size, PPS pages per sequence, n rows, C chunk tokens.
 Softmax statistics are float32; results are in q's dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "attention_spans",
     "chunk_attention",
     "decode_attention",
     "decode_block_pages",
     "ragged_paged_attention",
-    "span_index",
     "use_tpu_kernel",
     "write_kv",
 ]
@@ -50,31 +45,6 @@ __all__ = [
 def use_tpu_kernel() -> bool:
     """Whether `ragged_paged_attention` calls the Pallas TPU kernel (on TPU) or the XLA path."""
     return jax.default_backend() == "tpu"
-
-
-def attention_spans(max_len: int, page_size: int, min_span: int = 128) -> tuple[int, ...]:
-    """The candidate attention spans for sequences of up to `max_len` positions.
-
-    Increasing multiples of `page_size`: `s, 2s, 4s, ...` below the largest, where
-    `s = max(page_size, min_span rounded up to a multiple of page_size)`, then the largest,
-    `ceil(max_len / page_size) * page_size` (a page table's `PPS * ps`).
-    """
-    if max_len <= 0 or page_size <= 0:
-        raise ValueError(f"need max_len > 0 and page_size > 0, got {max_len=}, {page_size=}")
-    top = -(-max_len // page_size) * page_size
-    span = max(page_size, -(-min_span // page_size) * page_size)
-    spans = []
-    while span < top:
-        spans.append(span)
-        span *= 2
-    return (*spans, top)
-
-
-def span_index(spans: Sequence[int], needed: jax.Array | int) -> jax.Array:
-    """The index of the first span `>= needed` (traced int32 scalar); the last one if none is."""
-    spans_arr = jnp.asarray(spans, jnp.int32)
-    index = jnp.sum(spans_arr < jnp.asarray(needed, jnp.int32)).astype(jnp.int32)
-    return jnp.minimum(index, len(spans) - 1)
 
 
 def write_kv(pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
@@ -100,40 +70,6 @@ def _scores(s: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     return s
-
-
-def _softmax_parts(parts: Sequence[tuple[jax.Array, jax.Array]]):
-    """One softmax over the last axis of several score blocks, as if concatenated.
-
-    parts: `(scores float32, valid bool)` pairs of the same shape but the last axis. Returns the
-    unnormalised weights of each part (0 where invalid) and the float32 denominator `[..., 1]`,
-    1 where a row has no valid key (its output is then 0, never NaN).
-    """
-    neg = jnp.finfo(jnp.float32).min
-    m = None
-    for s, valid in parts:
-        part_max = jnp.max(jnp.where(valid, s, neg), axis=-1, keepdims=True)
-        m = part_max if m is None else jnp.maximum(m, part_max)
-    weights = [jnp.where(valid, jnp.exp(s - m), 0.0) for s, valid in parts]
-    denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
-    return weights, jnp.where(denom > 0, denom, 1.0)
-
-
-def _gather_kv(pages: jax.Array, table: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
-    """Keys and values of the first `length` positions through page table rows.
-
-    pages: `[N, ps, 2K, D]`; table: `[..., PPS] int32`. Returns k, v: `[..., length, K, D]`.
-    """
-    _, ps, K2, D = pages.shape
-    kv = pages[table[..., : length // ps]]  # [..., length/ps, ps, 2K, D]
-    kv = kv.reshape(*table.shape[:-1], length, K2 // 2, 2, D)
-    return kv[..., 0, :], kv[..., 1, :]
-
-
-def _check_lengths(lengths: Sequence[int], ps: int, pps: int) -> None:
-    if not lengths or any(length % ps or not 0 <= length <= pps * ps for length in lengths):
-        raise ValueError(f"lengths must be multiples of page size {ps} in 0 .. {pps * ps}, "
-                         f"got {lengths}")
 
 
 def decode_block_pages(page_size: int, block: int = 64) -> int:
@@ -208,7 +144,7 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, tok_seq: jax.Array
                     tok_pos: jax.Array, pages: jax.Array, ctx_table: jax.Array,
                     ctx_seq: jax.Array, ctx_len: jax.Array, *, sm_scale: float,
                     sliding_window: int | None, soft_cap: float | None,
-                    lengths: Sequence[int], length_index: jax.Array) -> jax.Array:
+                    q_block: int = 128, ctx_block_pages: int | None = None) -> jax.Array:
     """Attention of a prefill chunk: each token to its own sequence's chunk tokens and context.
 
     q: `[C, H, D]`; k, v: `[C, K, D]`, the chunk's own (fresh) keys and values; tok_seq:
@@ -219,68 +155,81 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, tok_seq: jax.Array
     (b) when `tok_seq[t] == ctx_seq`, context positions `0 .. ctx_len - 1` of that sequence,
     read from pages: `[N, ps, 2K, D]` through ctx_table: `[PPS] int32`.
     With a sliding window w, both also need `tok_pos[t] - key position < w`. Scores of (a) and
-    (b) share one float32 softmax.
+    (b) share one float32 softmax. ctx_seq, ctx_len: int32 scalars; at most one sequence has
+    context (ctx_len 0 or ctx_seq -1: none).
 
-    ctx_seq, ctx_len: int32 scalars; at most one sequence has context (ctx_len 0 or ctx_seq -1:
-    none). lengths: static increasing multiples of ps, the context spans one `lax.switch` branch
-    each gathers; convention: `lengths[0]` may be 0, a branch that reads no context at all
-    (`(0, *attention_spans(PPS * ps, ps))`). length_index: traced int32 scalar; the caller
-    guarantees `lengths[length_index] >= ctx_len` (0 only when there is no context).
-    Returns `[C, H, D]` in q's dtype.
+    Flash-style, so that no score matrix outgrows the cache: queries in static blocks of
+    `q_block`; each block takes (a) at once, then loops over the context in blocks of
+    `ctx_block_pages` pages (default about 256 positions; as many as ctx_len needs, a traced
+    trip count) with an online softmax. (One dense `[C, H, C + ctx]` score matrix cost 3 to 4
+    times more on XLA:CPU for a 512-token chunk.) Returns `[C, H, D]` in q's dtype.
     """
     C, H, D = q.shape
     _, ps, K2, _ = pages.shape
     K = K2 // 2
     G = H // K
-    _check_lengths(lengths, ps, ctx_table.shape[0])
+    bp = ctx_block_pages or decode_block_pages(ps, 256)
+    span = bp * ps
     qg = q.reshape(C, K, G, D)
     tok_seq = tok_seq.astype(jnp.int32)
     tok_pos = tok_pos.astype(jnp.int32)
+    ctx_seq = jnp.asarray(ctx_seq, jnp.int32)
+    ctx_len = jnp.asarray(ctx_len, jnp.int32)
+    table = jnp.pad(ctx_table.astype(jnp.int32), (0, bp))
+    on = (tok_seq == ctx_seq) & (ctx_seq >= 0)  # [C] tokens that see the context
+    blocks = jnp.where(ctx_seq >= 0, (ctx_len + span - 1) // span, 0)
+    neg = jnp.finfo(jnp.float32).min
 
-    # (a) The chunk to itself: [C, K, G, C].
-    s_self = jnp.einsum("ckgd,ukd->ckgu", qg, k, preferred_element_type=jnp.float32)
-    s_self = _scores(s_self, sm_scale, soft_cap)
-    dpos = tok_pos[:, None] - tok_pos[None, :]  # query minus key position
-    valid_self = (tok_seq[:, None] == tok_seq[None, :]) & (dpos >= 0)
-    if sliding_window is not None:
-        valid_self &= dpos < sliding_window
-    valid_self = valid_self[:, None, None, :]
-
-    def finish(parts, values):
-        weights, denom = _softmax_parts(parts)
-        out = sum(jnp.einsum("ckgx,xkd->ckgd", w.astype(val.dtype), val,
-                             preferred_element_type=jnp.float32)
-                  for w, val in zip(weights, values, strict=True))
-        return (out / denom).reshape(C, H, D).astype(q.dtype)
-
-    def branch(length: int):
-        def attend(qg, pages, ctx_table, ctx_seq, ctx_len):
-            if length == 0:
-                return finish([(s_self, valid_self)], [v])
-            # (b) The context of sequence ctx_seq: [C, K, G, L].
-            k_ctx, v_ctx = _gather_kv(pages, ctx_table, length)  # [L, K, D]
-            s_ctx = jnp.einsum("ckgd,lkd->ckgl", qg, k_ctx, preferred_element_type=jnp.float32)
-            s_ctx = _scores(s_ctx, sm_scale, soft_cap)
-            kp = jnp.arange(length, dtype=jnp.int32)[None, :]
-            on = (tok_seq == ctx_seq) & (ctx_seq >= 0)
-            valid_ctx = on[:, None] & (kp < ctx_len)  # [C, L]
+    def context_block(qi, pos_i, on_i):
+        def body(b, carry):
+            m, denom, acc = carry
+            idx = jax.lax.dynamic_slice_in_dim(table, b * bp, bp)
+            kv = pages[idx].reshape(span, K, 2, D)
+            s = jnp.einsum("ckgd,lkd->ckgl", qi, kv[:, :, 0], preferred_element_type=jnp.float32)
+            s = _scores(s, sm_scale, soft_cap)
+            kp = b * span + jnp.arange(span, dtype=jnp.int32)
+            valid = on_i[:, None] & (kp[None, :] < ctx_len)  # [c, span]
             if sliding_window is not None:
-                valid_ctx &= tok_pos[:, None] - kp < sliding_window
-            return finish([(s_self, valid_self), (s_ctx, valid_ctx[:, None, None, :])],
-                          [v, v_ctx])
+                valid &= pos_i[:, None] - kp[None, :] < sliding_window
+            valid = valid[:, None, None, :]
+            m_new = jnp.maximum(m, jnp.max(jnp.where(valid, s, neg), axis=-1, keepdims=True))
+            w = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+            scale = jnp.exp(m - m_new)
+            out = jnp.einsum("ckgl,lkd->ckgd", w.astype(kv.dtype), kv[:, :, 1],
+                             preferred_element_type=jnp.float32)
+            return m_new, denom * scale + jnp.sum(w, axis=-1, keepdims=True), acc * scale + out
+        return body
 
-        return attend
-
-    branches = [branch(length) for length in lengths]
-    return jax.lax.switch(length_index, branches, qg, pages, ctx_table,
-                          jnp.asarray(ctx_seq, jnp.int32), jnp.asarray(ctx_len, jnp.int32))
+    outs = []
+    for i in range(0, C, q_block):
+        qi, seq_i, pos_i = qg[i:i + q_block], tok_seq[i:i + q_block], tok_pos[i:i + q_block]
+        # (a) The block's queries to the whole chunk: [c, K, G, C].
+        s = jnp.einsum("ckgd,ukd->ckgu", qi, k, preferred_element_type=jnp.float32)
+        s = _scores(s, sm_scale, soft_cap)
+        dpos = pos_i[:, None] - tok_pos[None, :]  # query minus key position
+        valid = (seq_i[:, None] == tok_seq[None, :]) & (dpos >= 0)
+        if sliding_window is not None:
+            valid &= dpos < sliding_window
+        valid = valid[:, None, None, :]
+        m = jnp.max(jnp.where(valid, s, neg), axis=-1, keepdims=True)
+        w = jnp.where(valid, jnp.exp(s - m), 0.0)
+        acc = jnp.einsum("ckgu,ukd->ckgd", w.astype(v.dtype), v,
+                         preferred_element_type=jnp.float32)
+        carry = (m, jnp.sum(w, axis=-1, keepdims=True), acc)
+        # (b) The context, block by block.
+        _, denom, acc = jax.lax.fori_loop(0, blocks, context_block(qi, pos_i, on[i:i + q_block]),
+                                          carry)
+        outs.append(acc / jnp.where(denom > 0, denom, 1.0))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    return out.reshape(C, H, D).astype(q.dtype)
 
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array,
                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
                            *, sm_scale: float = 1.0, sliding_window: int | None = None,
                            soft_cap: float | None = None, mask_value: float | None = None,
-                           num_decode: int = 0, min_span: int = 128) -> jax.Array:
+                           num_decode: int = 0, block_pages: int | None = None,
+                           q_block: int = 128) -> jax.Array:
     """Ragged paged attention with the contract of JAX's TPU kernel of that name.
 
     q: `[T, H, D]`, all sequences' queries; kv_pages: `[N, ps, 2K, D]`, already holding this
@@ -291,7 +240,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     meaningless output). Returns `[T, H, D]` in q's dtype.
 
     On TPU (`use_tpu_kernel()`) this calls the Pallas kernel, which takes any batch and ignores
-    num_decode and min_span. The XLA path elsewhere restricts the batch:
+    num_decode, block_pages and q_block. The XLA path elsewhere restricts the batch:
 
     - num_decode (static): the first num_decode sequences have exactly one query each (tokens
       `0 .. num_decode - 1`); decode rows past num_seqs are idle;
@@ -301,7 +250,8 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
 
     The chunk's own keys and values are read back from the pages at its tokens' slots. Masked
     keys get weight exactly 0 (mask_value, kept for the kernel, is not used by the XLA path).
-    min_span (static): the smallest attention span, see `attention_spans`.
+    block_pages (static): pages per block of both tiers' loops (None: their defaults);
+    q_block (static): the chunk's query block.
     """
     if use_tpu_kernel():
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
@@ -323,14 +273,13 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     n_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(-1)[0]
     live = jnp.arange(S, dtype=jnp.int32) < n_seqs  # [S]
-    spans = attention_spans(PPS * ps, ps, min_span)
     outs = []
 
     if num_decode:
         dec_lens = jnp.where(live[:num_decode], kv_lens[:num_decode], 0)
         outs.append(decode_attention(
             q[:num_decode], kv_pages, page_indices[:num_decode], dec_lens, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap))
+            sliding_window=sliding_window, soft_cap=soft_cap, block_pages=block_pages))
 
     C = T - num_decode
     if C:
@@ -355,11 +304,9 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
         slots = jnp.where(real, page * ps + tok_pos % ps, 0)
         kv = kv_pages.reshape(N * ps, K2 // 2, 2, D)[slots]  # [C, K, 2, D]
 
-        ctx_lengths = (0, *spans)
-        ctx_index = jnp.where(ctx_len > 0, 1 + span_index(spans, ctx_len), 0)
         outs.append(chunk_attention(
             q[num_decode:], kv[:, :, 0], kv[:, :, 1], tok_seq, tok_pos, kv_pages, ctx_table,
             ctx_seq, ctx_len, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, lengths=ctx_lengths, length_index=ctx_index))
+            soft_cap=soft_cap, q_block=q_block, ctx_block_pages=block_pages))
 
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)

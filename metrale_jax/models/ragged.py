@@ -42,8 +42,7 @@ class StepLayout:
         positions each decode row attends to (its new token included; 0 = idle).
     chunk_rows: [C] int32, the row of each chunk token (-1 = padding).
     ctx_table: [PPS] int32, the page table of the chunk's one row with context; ctx_row: its
-        row (-1 = none); ctx_len: int32, its positions already in the pages; ctx_span: index
-        into `(0, *spans)` covering ctx_len.
+        row (-1 = none); ctx_len: int32, its positions already in the pages.
     """
 
     slots: jax.Array
@@ -53,17 +52,15 @@ class StepLayout:
     ctx_table: jax.Array
     ctx_row: jax.Array
     ctx_len: jax.Array
-    ctx_span: jax.Array
 
 
 def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
-                  tokens: jax.Array, positions: jax.Array, layout: StepLayout, *, n: int,
-                  spans: tuple[int, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+                  tokens: jax.Array, positions: jax.Array, layout: StepLayout, *,
+                  n: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """The model over one ragged step's tokens, up to the final hidden states.
 
     tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
-    docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows; spans: static spans of
-    the chunk's context (multiples of ps, increasing, the last = PPS * ps). Returns the
+    docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows. Returns the
     hidden states `[T, E]` (before the final norm: `head` turns chosen rows into logits) and
     the pools with this step's keys and values written.
     """
@@ -72,7 +69,7 @@ def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array
     for state, sliding, pool in zip(params.layers, graph.cfg.layer_is_sliding, pages,
                                     strict=True):
         x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, layout,
-                                sliding=bool(sliding), n=n, spans=spans)
+                                sliding=bool(sliding), n=n)
         new_pages.append(pool)
     return x, tuple(new_pages)
 
@@ -82,9 +79,9 @@ def head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
     return _head(graph, params, x)
 
 
-@functools.partial(jax.jit, static_argnames=("block_def", "sliding", "n", "spans"))
+@functools.partial(jax.jit, static_argnames=("block_def", "sliding", "n"))
 def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, *, sliding: bool,
-                  n: int, spans: tuple[int, ...]):
+                  n: int):
     """One decoder layer over a ragged step: x [T, E] -> ([T, E], the pool written)."""
     block = nnx.merge(block_def, state)
     attn = block.attn
@@ -101,7 +98,6 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, *, s
     if q.shape[0] > n:
         parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows, positions[n:],
                                      pool, layout.ctx_table, layout.ctx_row, layout.ctx_len,
-                                     lengths=(0, *spans), length_index=layout.ctx_span,
                                      **opts))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     # [T, H*D] @ [H*D, E]: an einsum over (h, d) makes XLA:CPU transpose o_proj every step.

@@ -11,11 +11,9 @@ import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from metrale_jax.models.paged_attention import (
-    attention_spans,
     chunk_attention,
     decode_attention,
     ragged_paged_attention,
-    span_index,
     use_tpu_kernel,
     write_kv,
 )
@@ -29,7 +27,9 @@ N = 1 + S * PPS  # pages, page 0 the null page
 SCALE = D**-0.5
 
 rpa = jax.jit(ragged_paged_attention, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "mask_value", "num_decode", "min_span"))
+    "sm_scale", "sliding_window", "soft_cap", "mask_value", "num_decode", "block_pages",
+    "q_block"))
+SMALL = {"block_pages": 1, "q_block": 4}  # loops of several blocks at these tiny sizes
 
 
 def make_batch(seed: int, decode_lens: list[int], prefill: list[tuple[int, int]], T: int):
@@ -61,7 +61,8 @@ def check(args, num_decode: int, **kw):
     """Our output against the reference's on the valid tokens; all tokens finite."""
     q, pages, kv_lens, table, cu, num_seqs = args
     out = np.asarray(rpa(*args, sm_scale=SCALE, num_decode=num_decode, **kw))
-    kw.pop("min_span", None)
+    kw.pop("block_pages", None)
+    kw.pop("q_block", None)
     ref = np.asarray(ref_ragged_paged_attention(
         q, pages, kv_lens, table, cu, num_seqs, sm_scale=SCALE, **kw))
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -69,10 +70,11 @@ def check(args, num_decode: int, **kw):
     np.testing.assert_allclose(out[: ref.shape[0]], ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("blocks", [{}, SMALL])
 @pytest.mark.parametrize("soft_cap", [None, 3.0])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("seed", range(4))
-def test_mixed_batch_matches_reference(seed, sliding_window, soft_cap):
+def test_mixed_batch_matches_reference(seed, sliding_window, soft_cap, blocks):
     rng = np.random.default_rng(100 + seed)
     decode_lens = [int(x) for x in rng.integers(1, MAX_LEN + 1, rng.integers(1, 4))]
     q_ctx = int(rng.integers(1, 7))
@@ -80,16 +82,16 @@ def test_mixed_batch_matches_reference(seed, sliding_window, soft_cap):
     prefill += [(int(rng.integers(1, 7)), 0) for _ in range(rng.integers(1, 3))]
     prefill = [prefill[i] for i in rng.permutation(len(prefill))]  # context anywhere
     args = make_batch(seed, decode_lens, prefill, T=32)
-    check(args, len(decode_lens), sliding_window=sliding_window, soft_cap=soft_cap, min_span=4)
+    check(args, len(decode_lens), sliding_window=sliding_window, soft_cap=soft_cap, **blocks)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 3])
 def test_prefill_only(sliding_window):
     args = make_batch(7, [], [(5, 0), (6, 13), (3, 0)], T=16)
-    check(args, 0, sliding_window=sliding_window, min_span=4)
+    check(args, 0, sliding_window=sliding_window, **SMALL)
 
 
-def test_fresh_prefill_only_default_spans():
+def test_fresh_prefill_only_default_blocks():
     args = make_batch(8, [], [(5, 0), (7, 0)], T=14)
     check(args, 0)
 
@@ -97,7 +99,7 @@ def test_fresh_prefill_only_default_spans():
 @pytest.mark.parametrize("T", [4, 6])  # exactly the decode rows; or two padding tokens after
 def test_decode_only(T):
     args = make_batch(9, [32, 1, 9, 17], [], T=T)
-    check(args, 4, min_span=4)
+    check(args, 4, **SMALL)
     check(args, 4, sliding_window=4, soft_cap=2.0)
 
 
@@ -106,7 +108,7 @@ def test_idle_decode_rows_and_padding_are_finite():
     q, pages, kv_lens, table, cu, _ = make_batch(10, [5, 20, 3, 3], [], T=8)
     num_seqs = jnp.asarray([2], jnp.int32)
     out = np.asarray(rpa(q, pages, kv_lens, table, cu, num_seqs, sm_scale=SCALE,
-                         num_decode=4, min_span=4))
+                         num_decode=4, **SMALL))
     assert np.isfinite(out).all()
     ref = np.asarray(ref_ragged_paged_attention(q, pages, kv_lens, table, cu, num_seqs,
                                                 sm_scale=SCALE))
@@ -138,7 +140,7 @@ def test_decode_same_for_every_block_size_and_alone(window):
     np.testing.assert_array_equal(alone, outs[0][:2])
 
 
-def test_chunk_padding_finite_and_context_span_invariant():
+def test_chunk_padding_finite_and_block_size_invariant():
     rng = np.random.default_rng(13)
     C = 8
     q = jnp.asarray(rng.standard_normal((C, H, D)), jnp.float32)
@@ -149,18 +151,18 @@ def test_chunk_padding_finite_and_context_span_invariant():
     # Sequence 3 at positions 6..9 after 6 context positions, sequence 5 fresh, two padding.
     tok_seq = jnp.asarray([3, 3, 3, 3, 5, 5, -1, -1], jnp.int32)
     tok_pos = jnp.asarray([6, 7, 8, 9, 0, 1, 0, 0], jnp.int32)
-    lengths = (0, *attention_spans(MAX_LEN, PS, 4))
     f = jax.jit(functools.partial(chunk_attention, sm_scale=SCALE, sliding_window=None,
-                                  soft_cap=1.5, lengths=lengths))
+                                  soft_cap=1.5), static_argnames=("q_block", "ctx_block_pages"))
     outs = [np.asarray(f(q, k, v, tok_seq, tok_pos, pages, ctx_table, jnp.int32(3), jnp.int32(6),
-                         length_index=jnp.int32(i))) for i in (2, 3, 4)]
+                         q_block=qb, ctx_block_pages=bp))
+            for qb, bp in ((8, 8), (2, 1), (3, 2), (128, None))]
     for out in outs:
         assert np.isfinite(out).all()
         np.testing.assert_allclose(out, outs[0], rtol=1e-6, atol=1e-6)
-    # Without context (index 0, or ctx_seq -1 at any span) sequence 5 is unchanged, 3 is not.
-    for seq, index in ((jnp.int32(3), 0), (jnp.int32(-1), 4)):
-        none = np.asarray(f(q, k, v, tok_seq, tok_pos, pages, ctx_table, seq, jnp.int32(6),
-                            length_index=jnp.int32(index)))
+    # Without context (ctx_len 0, or ctx_seq -1) sequence 5 is unchanged, 3 is not.
+    for seq, length in ((jnp.int32(3), 0), (jnp.int32(-1), 6)):
+        none = np.asarray(f(q, k, v, tok_seq, tok_pos, pages, ctx_table, seq, jnp.int32(length),
+                            q_block=2, ctx_block_pages=1))
         assert np.isfinite(none).all()
         np.testing.assert_allclose(none[4:6], outs[0][4:6], rtol=1e-6, atol=1e-6)
         assert not np.allclose(none[:4], outs[0][:4])
@@ -195,17 +197,6 @@ def test_write_kv_casts_to_pages_dtype():
     assert new.dtype == jnp.bfloat16
     assert (np.asarray(new[1, 1, 0::2], np.float32) == 1).all()
     assert (np.asarray(new[1, 1, 1::2], np.float32) == 2).all()
-
-
-def test_attention_spans_and_span_index():
-    assert attention_spans(32, 4, 4) == (4, 8, 16, 32)
-    assert attention_spans(32, 4) == (32,)
-    assert attention_spans(1000, 16) == (128, 256, 512, 1008)
-    assert attention_spans(512, 16, 100) == (112, 224, 448, 512)
-    assert attention_spans(4096, 256, 128) == (256, 512, 1024, 2048, 4096)
-    spans = (4, 8, 16, 32)
-    assert [int(span_index(spans, n)) for n in (0, 1, 4, 5, 8, 9, 32, 40)] == [
-        0, 0, 0, 1, 1, 2, 3, 3]
 
 
 def test_use_tpu_kernel_false_on_cpu():

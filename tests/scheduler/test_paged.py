@@ -82,8 +82,8 @@ def test_every_page_returns_after_a_mix_of_endings(small_pool_llm):
 
 
 def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
-    """While a 90-token prompt is prefilled in 32-token pieces, a stream already decoding
-    gets a token every step: no step of the loop runs the prompt alone."""
+    """While a 90-token prompt is prefilled in pieces of at most 32 tokens, a stream already
+    decoding gets a token every step: no step of the loop runs the prompt alone."""
     sched = tiny_llm.scheduler
     engine = sched.engine
     calls: list[tuple[int, int]] = []  # (decoding rows, prompt tokens) of each step
@@ -111,6 +111,10 @@ def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
     assert sum(c[1] for c in with_prompt) == 90  # the whole prompt, in pieces
     assert len(with_prompt) >= 3  # 90 tokens under a 32-token budget
     assert all(c[0] >= 1 for c in with_prompt)  # the stream decoded in each of them
+    # Each chunk fills a bucket exactly (the last pieces cut to fit): only a tail shorter
+    # than the smallest bucket is padded.
+    buckets = engine.config.chunk_buckets
+    assert all(c[1] in buckets or c[1] < buckets[0] for c in with_prompt), (buckets, calls)
     # Same tokens as the prompt alone.
     alone = tiny_llm.generate([list(range(5, 95))], sp)[0].token_ids
     assert [t for e in long_tokens for t in e.token_ids] == list(alone)

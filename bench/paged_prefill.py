@@ -1,0 +1,116 @@
+"""Long prompts beside a decoding stream: this checkout's engine and an older commit's, one run.
+
+For each engine (a child process importing `metrale_jax` from its checkout): the default
+model through `LLM` (max_slots 4, max_len 8192, max_prefill_len 512, every program compiled
+first). One greedy stream decodes; once it has made 16 tokens a prompt of 512 / 2,048 /
+8,000 random tokens arrives (max_tokens 1). Measured: the prompt's time to first token, its
+prompt tokens/s, and the longest gap between two tokens of the decoding stream while the
+prompt was being prefilled (in seconds and in the stream's median inter-token times). Each
+length runs twice; the second run counts. Prints one table.
+
+    .venv/bin/python bench/paged_prefill.py --old /tmp/old-engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+LENGTHS = (512, 2048, 8000)
+
+
+def _child(root: str) -> None:
+    sys.path.insert(0, root)
+    import numpy as np
+
+    from metrale_jax import LLM, SamplingParams
+    from metrale_jax.scheduler import GenerationRequest
+    from metrale_jax.scheduler.events import Token
+
+    llm = LLM("default", max_slots=4, max_len=8192, max_prefill_len=512, warmup=True)
+    scheduler = llm.scheduler
+    rng = np.random.default_rng(0)
+    out = {}
+    for n in LENGTHS:
+        for _ in range(2):
+            times: list[float] = []
+            started = threading.Event()
+            stream = scheduler.submit(GenerationRequest.make(
+                rng.integers(100, 40000, 32).tolist(),
+                SamplingParams(max_tokens=8192 - 64, temperature=0.0, ignore_eos=True)))
+
+            def read(handle=stream, times=times, started=started) -> None:
+                for event in handle:
+                    if isinstance(event, Token) and event.token_ids:
+                        times.append(time.perf_counter())
+                        if len(times) == 16:
+                            started.set()
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            started.wait()
+            t0 = time.perf_counter()
+            long = scheduler.submit(GenerationRequest.make(
+                rng.integers(100, 40000, n).tolist(),
+                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+            first = None
+            for event in long:
+                if isinstance(event, Token) and event.token_ids and first is None:
+                    first = time.perf_counter()
+            # A few more stream tokens after the prompt's first, then stop the stream.
+            while len([t for t in times if t > first]) < 8:
+                time.sleep(0.05)
+            stream.cancel()
+            reader.join()
+            before = [b - a for a, b in itertools.pairwise(times) if b <= t0]
+            during = [b - a for a, b in itertools.pairwise(times)
+                      if b > t0 and a < first + 1e-9]
+            stall = max(during) if during else first - t0
+            tpot = statistics.median(before)
+            out[str(n)] = {"ttft": first - t0, "stall": stall, "tpot": tpot}
+    llm.close()
+    print(json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=False, help="checkout of the older engine (a worktree)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child)
+        return
+    roots = {"old": args.old, "new": str(HERE)}
+    got = {}
+    for name, root in roots.items():
+        env = dict(os.environ)
+        env.setdefault("METRALE_CHECKPOINTS", str(HERE / "checkpoints"))
+        res = subprocess.run([sys.executable, __file__, "--child", root], cwd=root, env=env,
+                             capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"{name} failed:\n{res.stderr[-3000:]}")
+        got[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    print("| prompt tokens | engine | time to first token | prompt tok/s | longest stall of "
+          "a decoding stream |\n|---|---|---|---|---|")
+    for n in LENGTHS:
+        for name in roots:
+            r = got[name][str(n)]
+            print(f"| {n} | {name} | {r['ttft']:.2f} s | {n / r['ttft']:.0f} | "
+                  f"{r['stall']:.2f} s ({r['stall'] / r['tpot']:.1f} steps) |")
+    for name in roots:
+        base = 512 / got[name]["512"]["ttft"]
+        ratios = " / ".join(f"{n / got[name][str(n)]['ttft'] / base:.2f}" for n in LENGTHS[1:])
+        print(f"{name}: prompt tok/s of 2,048 / 8,000 tokens over that of 512: {ratios}")
+
+
+if __name__ == "__main__":
+    main()
