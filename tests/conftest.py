@@ -45,6 +45,10 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+DEFAULT_MODEL_SHAPES = dict(max_slots=4, max_len=512, max_prefill_len=64)
+"""The engine shapes of every test that runs the default model (see `default_llm`)."""
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     """The default model's GGUF (fetched by `make test` via `metrale pull`)."""
@@ -57,11 +61,12 @@ def default_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def default_llm(default_gguf):
-    """The default model as an `LLM` (4 slots of 512, prefill buckets up to 64 so that a
-    longer prompt is chunked, batches of 2), shared by the tests in the "default-model"
-    xdist group."""
+    """The default model as an `LLM` (4 slots of 512, prefill pieces up to 64 tokens so that
+    a longer prompt is chunked), shared by the tests in the "default-model" xdist group. The
+    quickstart notebook and `tests/serving/cli/test_serve.py` use the same shapes, so the
+    three share their compiled programs through the suite's compilation cache."""
     from metrale_jax import LLM
-    llm = LLM("default", max_slots=4, max_len=512, max_prefill_len=64, max_prefill_batch=2)
+    llm = LLM("default", **DEFAULT_MODEL_SHAPES)
     yield llm
     llm.close()
 

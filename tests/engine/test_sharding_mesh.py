@@ -3,10 +3,10 @@
 One subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=8, set before jax is
 imported) runs this file as a script: for each model it runs a greedy prefill
 (`forward_layers`) and decode steps (`decode_layers`), jitted, once on one device and once per
-mesh with params, cache and inputs placed by `engine/sharding.py`, and prints a JSON report
-that the test below checks. Models: random tiny configs whose head counts divide the model
-axis (and some that do not: kv heads replicated), a tiny Hugging Face checkpoint, and the
-default model (9 heads / 3 kv heads) on meshes (8, 1) and (2, 4).
+mesh of its `MODEL_MESHES` with params, cache and inputs placed by `engine/sharding.py`, and
+prints a JSON report that the test below checks. Models: random tiny configs whose head counts
+divide the model axis (and some that do not: kv heads replicated), a tiny Hugging Face
+checkpoint, and the default model (9 heads / 3 kv heads) on mesh (2, 4).
 
 "Within 1e-5 relative": `max|a - b| / max|b|` (the fidelity tests' measure) and the Frobenius
 `|a - b| / |b|`, over all logits of a phase (prefill, decode). The tiny models meet 1e-5 (the
@@ -51,7 +51,14 @@ RANDOM_MODELS = {
                          sliding_layers=(True, False), query_pre_attn_scalar=16.0,
                          hidden_act="gelu_tanh", tie_word_embeddings=True),
 }
-DEFAULT_MODEL_MESHES = [(8, 1), (2, 4)]
+# Each model runs on two of the four meshes (every run compiles its own programs); together
+# they cover each mesh at least twice but (8, 1), and each case of the sharding rules: heads
+# that divide the model axis, kv heads sharded (qwen3 and gemma2 on model=2) and replicated
+# (on model=8; the hf model's 4 heads and the default model's 9 on model=4 too).
+MODEL_MESHES = {"llama-h8-k8": [(2, 4), (8, 1)], "qwen3-h8-k2": [(4, 2), (1, 8)],
+                "gemma2-h8-k4": [(4, 2), (1, 8)], "hf-llama-h4-k2": [(1, 8), (2, 4)],
+                "default": [(2, 4)]}
+DEFAULT_MODEL_MESHES = MODEL_MESHES["default"]
 
 
 # ---- the child -----------------------------------------------------------------------------
@@ -196,7 +203,7 @@ def child_main(spec: dict) -> None:
         # Larger weights: logits far apart, so a greedy tie cannot hide a wrong result
         # (x3: larger scales make the tiny models chaotic, amplifying float32 rounding).
         params = jax.tree.map(lambda x: x * 3.0 if x.ndim > 1 else x, params)
-        reports += _check_model(name, graphdef, params, MESHES)
+        reports += _check_model(name, graphdef, params, MODEL_MESHES[name])
     for label, path, meshes in spec["checkpoints"]:
         ckpt = load_checkpoint(path)
         reports += _check_model(label, ckpt.graphdef, ckpt.params, [tuple(m) for m in meshes])
@@ -212,7 +219,7 @@ def reports(tmp_path_factory) -> list[dict]:
     from tests.hf_models import build_tiny_checkpoint
 
     hf = build_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
-    checkpoints = [["hf-llama-h4-k2", str(hf), MESHES]]
+    checkpoints = [["hf-llama-h4-k2", str(hf), MODEL_MESHES["hf-llama-h4-k2"]]]
     default = default_model_path()
     if default.is_file():
         checkpoints.append(["default", str(default), DEFAULT_MODEL_MESHES])
@@ -224,7 +231,9 @@ def test_every_model_and_mesh_ran(reports):
     names = {r["model"] for r in reports}
     assert set(RANDOM_MODELS) | {"hf-llama-h4-k2"} <= names
     for name in set(RANDOM_MODELS) | {"hf-llama-h4-k2"}:
-        assert sorted(tuple(r["mesh"]) for r in reports if r["model"] == name) == sorted(MESHES)
+        assert (sorted(tuple(r["mesh"]) for r in reports if r["model"] == name)
+                == sorted(MODEL_MESHES[name]))
+    assert {m for ms in MODEL_MESHES.values() for m in ms} == set(MESHES)
     assert all(r["devices"] == 8 for r in reports), [(r["model"], r["mesh"], r["devices"])
                                                       for r in reports]
 

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from tests.conftest import DEFAULT_MODEL_SHAPES
 from tests.serving.conftest import (
     DEFAULT_GGUF,
     post,
@@ -24,8 +25,11 @@ pytestmark = pytest.mark.default_model
 def cli_server():
     if not DEFAULT_GGUF.exists():
         pytest.skip(f"{DEFAULT_GGUF} is absent (run `metrale pull`)")
-    proc, url = start_cli_server("--max-slots", "2", "--max-len", "256",
-                                 "--max-prefill-len", "64", "--grace-period", "30")
+    shapes = DEFAULT_MODEL_SHAPES  # the default_llm fixture's: their programs are shared
+    proc, url = start_cli_server("--max-slots", str(shapes["max_slots"]),
+                                 "--max-len", str(shapes["max_len"]),
+                                 "--max-prefill-len", str(shapes["max_prefill_len"]),
+                                 "--grace-period", "30")
     yield proc, url
     stop_cli_server(proc)
 
