@@ -51,6 +51,7 @@ from metrale_jax.engine.placement import Placement, StepShardings, place
 from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.engine.sharding import abstract_params, shard_params
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput, settings_to_arrays
+from metrale_jax.engine.step_cost import StepCost
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
 from metrale_jax.models.unrolled import LayerParams, split_layers
 
@@ -98,7 +99,8 @@ class Engine:
         placement: a `Placement` already computed for this model and config (e.g. before
             loading the weights, to restore them sharded); None = computed here.
     Attributes:
-        config (resolved), model_config, params, mesh, placement, memory_plan;
+        config (resolved), model_config, params, mesh, placement, memory_plan; step_cost
+        (`StepCost`: the largest chunk a long prompt's later piece may fill);
         compile_count: programs compiled so far.
     """
 
@@ -127,6 +129,8 @@ class Engine:
         self.vocab_size = model_config.vocab_size
         self.num_pages = cfg.resolved_num_pages
         self.pages = PageTable(self.num_pages, cfg.page_size, B, cfg.max_len)
+        # How far a long prompt's later piece may fill a chunk (the scheduler's step budget).
+        self.step_cost = StepCost(model_config, cfg.chunk_buckets)
         # Host mirror of each row's position (where its next token goes), for page allocation.
         self.lengths = np.zeros(B, np.int64)
         self._sc = steps.SampleConfig(N, cfg.logprobs_mode)

@@ -87,11 +87,13 @@ def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
     sched = tiny_llm.scheduler
     engine = sched.engine
     calls: list[tuple[int, int]] = []  # (decoding rows, prompt tokens) of each step
+    starts: list[tuple[int, int]] = []  # (start, tokens) of every piece
     real = engine.step
 
     def spy(state, active=None, allowed=None, pieces=()):
         calls.append((int(np.sum(active)) if active is not None else -1,
                       sum(len(p.tokens) for p in pieces)))
+        starts.extend((p.start, len(p.tokens)) for p in pieces)
         return real(state, active, allowed, pieces)
 
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -115,6 +117,12 @@ def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
     # than the smallest bucket is padded.
     buckets = engine.config.chunk_buckets
     assert all(c[1] in buckets or c[1] < buckets[0] for c in with_prompt), (buckets, calls)
+    # A later piece shrinks as the context before it grows (engine/step_cost.py), and here
+    # the limit binds: some piece starts where less than the largest bucket is allowed.
+    limit = engine.step_cost.chunk_limit
+    later = [(start, size) for start, size in starts if start]
+    assert all(size <= limit(start) for start, size in later), starts
+    assert any(limit(start) < buckets[-1] for start, _ in later), starts
     # Same tokens as the prompt alone.
     alone = tiny_llm.generate([list(range(5, 95))], sp)[0].token_ids
     assert [t for e in long_tokens for t in e.token_ids] == list(alone)
