@@ -19,7 +19,8 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine.sampling import SampleResult, sample
 from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
-from metrale_jax.models.ragged import StepLayout, head, ragged_layers
+from metrale_jax.models.paged_attention import use_tpu_kernel
+from metrale_jax.models.ragged import StepLayout, head, kernel_layout, ragged_layers
 from metrale_jax.models.unrolled import LayerGraph, LayerParams
 
 
@@ -149,10 +150,14 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
             ctx_table = jnp.zeros((pps,), jnp.int32)
             ctx_len = jnp.zeros((), jnp.int32)
             chunk_rows = jnp.zeros((0,), jnp.int32)
+        kernel = None
+        if use_tpu_kernel():  # the whole step through JAX's Pallas kernel
+            kernel = kernel_layout(page_table, dec_lens, chunk_rows,
+                                   chunk.positions if C else jnp.zeros((0,), jnp.int32))
         layout = StepLayout(
             slots=slots, dec_table=dec_table, dec_lens=dec_lens, chunk_rows=chunk_rows,
             ctx_table=ctx_table, ctx_row=chunk.ctx_row if C else jnp.int32(-1),
-            ctx_len=ctx_len)
+            ctx_len=ctx_len, kernel=kernel)
         return ragged_layers(graph, params, pages, tokens, positions, layout, n=n)
 
     def decode_once(carry):

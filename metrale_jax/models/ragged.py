@@ -24,7 +24,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from metrale_jax.models.paged_attention import chunk_attention, decode_attention, write_kv
+from metrale_jax.models.paged_attention import (
+    chunk_attention,
+    decode_attention,
+    ragged_paged_attention,
+    write_kv,
+)
 from metrale_jax.models.unrolled import LayerGraph, LayerParams, _embed, _head
 
 # Logical axes of one layer's page pool [N, ps, 2K, D] (engine/sharding.py maps them).
@@ -43,6 +48,7 @@ class StepLayout:
     chunk_rows: [C] int32, the row of each chunk token (-1 = padding).
     ctx_table: [PPS] int32, the page table of the chunk's one row with context; ctx_row: its
         row (-1 = none); ctx_len: int32, its positions already in the pages.
+    kernel: the same step for the TPU kernel (`kernel_layout`), on TPU only (else None).
     """
 
     slots: jax.Array
@@ -52,6 +58,55 @@ class StepLayout:
     ctx_table: jax.Array
     ctx_row: jax.Array
     ctx_len: jax.Array
+    kernel: KernelLayout | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KernelLayout:
+    """A ragged step's sequences in the terms of JAX's TPU ragged paged attention kernel.
+
+    Sequence i < n is decode row i (one query; an idle row reads one position, its output
+    ignored); sequence n + p is the p-th prompt piece of the chunk. kv_lens: [n + C] int32;
+    page_indices: [n + C, PPS] int32; cu_q_lens: [n + C + 1] int32 (sequence i's queries are
+    tokens cu_q_lens[i] .. cu_q_lens[i + 1] - 1); num_seqs: [1] int32.
+    """
+
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+
+
+def kernel_layout(page_table: jax.Array, dec_lens: jax.Array, chunk_rows: jax.Array,
+                  chunk_positions: jax.Array) -> KernelLayout:
+    """The kernel's view of a step: page_table [B, PPS] int32 (row b's pages), dec_lens [n]
+    int32 (each decode row's length, its new token included; 0 = idle), chunk_rows and
+    chunk_positions [C] int32 (each chunk token's row, -1 for padding after the real
+    tokens, and its position). A piece is a run of consecutive positions of one row."""
+    n, C = dec_lens.shape[0], chunk_rows.shape[0]
+    B = page_table.shape[0]
+    i32 = jnp.int32
+    if C == 0:
+        return KernelLayout(jnp.maximum(dec_lens, 1).astype(i32), page_table[:n].astype(i32),
+                            jnp.arange(n + 1, dtype=i32), jnp.full((1,), n, i32))
+    real = chunk_rows >= 0
+    n_real = jnp.sum(real, dtype=i32)
+    prev_rows = jnp.concatenate([jnp.full((1,), -2, i32), chunk_rows[:-1]])
+    prev_pos = jnp.concatenate([jnp.full((1,), -2, i32), chunk_positions[:-1]])
+    start = real & ((chunk_rows != prev_rows) | (chunk_positions != prev_pos + 1))
+    pieces = jnp.sum(start, dtype=i32)
+    (starts,) = jnp.nonzero(start, size=C, fill_value=n_real)
+    starts = starts.astype(i32)
+    ends = jnp.concatenate([starts[1:], n_real[None]])  # piece p: tokens starts[p] .. ends[p]-1
+    last = jnp.clip(ends - 1, 0, C - 1)
+    piece_kv = jnp.where(jnp.arange(C) < pieces, chunk_positions[last] + 1, 0)
+    piece_rows = jnp.clip(chunk_rows[jnp.clip(starts, 0, C - 1)], 0, B - 1)
+    return KernelLayout(
+        kv_lens=jnp.concatenate([jnp.maximum(dec_lens, 1), piece_kv]).astype(i32),
+        page_indices=jnp.concatenate([page_table[:n], page_table[piece_rows]]).astype(i32),
+        cu_q_lens=jnp.concatenate([jnp.arange(n + 1, dtype=i32), n + ends]),
+        num_seqs=(n + pieces).reshape(1).astype(i32))
 
 
 def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
@@ -92,18 +147,24 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, *, s
     opts = dict(sm_scale=cfg.attention_scale,
                 sliding_window=cfg.sliding_window if (sliding and cfg.sliding_window) else None,
                 soft_cap=cfg.attn_logit_softcap or None)
-    parts = []
-    if n:
-        parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens, **opts))
-    if q.shape[0] > n:
-        parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows, positions[n:],
-                                     pool, layout.ctx_table, layout.ctx_row, layout.ctx_len,
-                                     **opts))
-    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    if layout.kernel is not None:  # on TPU: JAX's Pallas kernel over the whole step
+        kl = layout.kernel
+        out = ragged_paged_attention(q, pool, kl.kv_lens, kl.page_indices, kl.cu_q_lens,
+                                     kl.num_seqs, num_decode=n, **opts)
+    else:
+        parts = []
+        if n:
+            parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens,
+                                          **opts))
+        if q.shape[0] > n:
+            parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows,
+                                         positions[n:], pool, layout.ctx_table,
+                                         layout.ctx_row, layout.ctx_len, **opts))
+        out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     # [T, H*D] @ [H*D, E]: an einsum over (h, d) makes XLA:CPU transpose o_proj every step.
     T, H, D = out.shape
     y = out.astype(x.dtype).reshape(T, H * D) @ attn.o_proj[...].reshape(H * D, -1)
     return block._rest(x, y), pool
 
 
-__all__ = ["PAGE_AXES", "StepLayout", "head", "ragged_layers"]
+__all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "head", "kernel_layout", "ragged_layers"]

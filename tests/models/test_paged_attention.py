@@ -202,3 +202,66 @@ def test_write_kv_casts_to_pages_dtype():
 def test_use_tpu_kernel_false_on_cpu():
     assert jax.default_backend() == "cpu"
     assert use_tpu_kernel() is False
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("decode", [[7, 0, 13], []])
+def test_a_steps_kernel_layout_gives_the_reference_what_the_xla_tiers_compute(decode,
+                                                                            sliding_window):
+    """`kernel_layout` (what a step hands the TPU kernel) read by JAX's reference gives the
+    XLA tiers' output for every live token: decode rows (one idle), a continuing piece after
+    its context, two fresh prompts in one chunk, and padding."""
+    from metrale_jax.models.ragged import kernel_layout
+    rng = np.random.default_rng(21)
+    B = S
+    table = np.zeros((B, PPS), np.int32)
+    free = list(rng.permutation(np.arange(1, N)))
+    for b in range(B):
+        table[b] = [free.pop() for _ in range(PPS)]
+    n = len(decode)
+    dec_lens = np.asarray(decode, np.int32)
+    # Row 4 continues after 9 positions (tokens 9..14), rows 5 and 6 start (3 and 2 tokens).
+    rows = [4] * 6 + [5] * 3 + [6] * 2 + [-1] * 5
+    pos = list(range(9, 15)) + [0, 1, 2] + [0, 1] + [0] * 5
+    C = len(rows)
+    chunk_rows, chunk_pos = np.asarray(rows, np.int32), np.asarray(pos, np.int32)
+    pages = rng.standard_normal((N, PS, 2 * K, D)).astype(np.float32)
+    pages[0] = 0.0
+    q = jnp.asarray(rng.standard_normal((n + C, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((C, K, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((C, K, D)), jnp.float32)
+    real = chunk_rows >= 0
+    slots = np.where(real, table[np.maximum(chunk_rows, 0), chunk_pos // PS] * PS
+                     + chunk_pos % PS, chunk_pos % PS)
+    pool = write_kv(jnp.asarray(pages), k, v, jnp.asarray(slots, jnp.int32))
+    opts = dict(sm_scale=SCALE, sliding_window=sliding_window, soft_cap=None)
+
+    ours = [np.asarray(chunk_attention(q[n:], k, v, jnp.asarray(chunk_rows),
+                                       jnp.asarray(chunk_pos), pool, jnp.asarray(table[4]),
+                                       jnp.int32(4), jnp.int32(9), **opts))]
+    if n:
+        ours.insert(0, np.asarray(decode_attention(q[:n], pool, jnp.asarray(table[:n]),
+                                                   jnp.asarray(dec_lens), **opts)))
+    ours = np.concatenate(ours)
+    kl = kernel_layout(jnp.asarray(table), jnp.asarray(dec_lens), jnp.asarray(chunk_rows),
+                       jnp.asarray(chunk_pos))
+    assert int(kl.num_seqs[0]) == n + 3
+    live = np.concatenate([dec_lens > 0, real])
+    ref = np.asarray(ref_ragged_paged_attention(q, pool, kl.kv_lens, kl.page_indices,
+                                                kl.cu_q_lens, kl.num_seqs, **opts))
+    assert ref.shape[0] == n + int(real.sum())  # the reference returns the real tokens only
+    np.testing.assert_allclose(ref[live[:ref.shape[0]]], ours[live], rtol=2e-5, atol=2e-5)
+    # The kernel contract's XLA path (what `ragged_paged_attention` runs off TPU) agrees.
+    via = np.asarray(rpa(q, pool, kl.kv_lens, kl.page_indices, kl.cu_q_lens, kl.num_seqs,
+                         num_decode=n, **opts))
+    np.testing.assert_allclose(via[live], ours[live], rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_layout_of_a_decode_only_step():
+    from metrale_jax.models.ragged import kernel_layout
+    table = jnp.arange(1, 1 + 3 * PPS, dtype=jnp.int32).reshape(3, PPS)
+    kl = kernel_layout(table, jnp.asarray([5, 0, 9], jnp.int32), jnp.zeros((0,), jnp.int32),
+                       jnp.zeros((0,), jnp.int32))
+    assert kl.kv_lens.tolist() == [5, 1, 9]  # an idle row reads one position, ignored
+    assert kl.cu_q_lens.tolist() == [0, 1, 2, 3] and kl.num_seqs.tolist() == [3]
+    assert np.array_equal(kl.page_indices, table)
