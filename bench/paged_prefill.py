@@ -88,13 +88,14 @@ def _child(root: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", required=False, help="checkout of the older engine (a worktree)")
+    ap.add_argument("--old", default=None,
+                    help="checkout of the older engine (a worktree); without it, this one only")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args.child)
         return
-    roots = {"old": args.old, "new": str(HERE)}
+    roots = {"old": args.old, "new": str(HERE)} if args.old else {"new": str(HERE)}
     got = {}
     for name, root in roots.items():
         env = dict(os.environ)

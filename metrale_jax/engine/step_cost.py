@@ -11,9 +11,11 @@ under 1 s at the start of the prompt, and every decoding row waited for it.
 `StepCost.chunk_limit(ctx)` is the largest chunk bucket whose cost, for a piece continuing
 after `ctx` positions, stays within the cost of a full chunk (`max_prefill_len` tokens) that
 continues after one chunk of context. A later piece of a long prompt then shrinks as its context
-grows, and the rows that decode beside it keep their pace. Prefill throughput does not suffer
-where the cut applies: attention, linear in the piece's size, dominates each token's cost there.
-Sliding-window layers (Mistral, Gemma 2) read at most `sliding_window` positions.
+grows (the scheduler fills the rest of the chunk with the prompts behind it, whose query blocks
+skip the context: `chunk_attention`), and the rows that decode beside it keep their pace.
+Prefill throughput does not suffer where the cut applies: attention, linear in the piece's
+size, dominates each token's cost there. Sliding-window layers (Mistral, Gemma 2) read at most
+`sliding_window` positions.
 """
 
 from __future__ import annotations

@@ -159,10 +159,11 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, tok_seq: jax.Array
     context (ctx_len 0 or ctx_seq -1: none).
 
     Flash-style, so that no score matrix outgrows the cache: queries in static blocks of
-    `q_block`; each block takes (a) at once, then loops over the context in blocks of
-    `ctx_block_pages` pages (default about 256 positions; as many as ctx_len needs, a traced
-    trip count) with an online softmax. (One dense `[C, H, C + ctx]` score matrix cost 3 to 4
-    times more on XLA:CPU for a 512-token chunk.) Returns `[C, H, D]` in q's dtype.
+    `q_block`; each block takes (a) at once, then, if it holds a token of ctx_seq, loops over
+    the context in blocks of `ctx_block_pages` pages (default about 256 positions; as many as
+    ctx_len needs, a traced trip count) with an online softmax. (One dense `[C, H, C + ctx]`
+    score matrix cost 3 to 4 times more on XLA:CPU for a 512-token chunk.) Returns
+    `[C, H, D]` in q's dtype.
     """
     C, H, D = q.shape
     _, ps, K2, _ = pages.shape
@@ -216,9 +217,11 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, tok_seq: jax.Array
         acc = jnp.einsum("ckgu,ukd->ckgd", w.astype(v.dtype), v,
                          preferred_element_type=jnp.float32)
         carry = (m, jnp.sum(w, axis=-1, keepdims=True), acc)
-        # (b) The context, block by block.
-        _, denom, acc = jax.lax.fori_loop(0, blocks, context_block(qi, pos_i, on[i:i + q_block]),
-                                          carry)
+        # (b) The context, block by block; only in query blocks that hold a token of the
+        # sequence with context (elsewhere every block would add exact zeros).
+        on_i = on[i:i + q_block]
+        _, denom, acc = jax.lax.fori_loop(0, jnp.where(jnp.any(on_i), blocks, 0),
+                                          context_block(qi, pos_i, on_i), carry)
         outs.append(acc / jnp.where(denom > 0, denom, 1.0))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
     return out.reshape(C, H, D).astype(q.dtype)

@@ -334,29 +334,33 @@ class Scheduler:
 
     def _pieces(self, budget_pages: int) -> list[tuple[Piece, Sequence]]:
         """The prompt pieces of the next step, in admission order: filling the largest chunk
-        bucket that the waiting prompt tokens cover (the last piece cut to fit; for a long
-        prompt's later piece, at most `engine.step_cost.chunk_limit` of its context), at
-        most `max_prefill_batch` finishing, one continuing, and within `budget_pages`."""
+        bucket that the waiting prompt tokens cover (the last piece cut to fit), a long
+        prompt's later piece at most `engine.step_cost.chunk_limit` of its context, at most
+        `max_prefill_batch` finishing, one continuing, and within `budget_pages`."""
         cfg, pages = self.engine.config, self.engine.pages
         out: list[tuple[Piece, Sequence]] = []
         used = finishing = 0
         continuing = False
+        # A prompt continuing from an earlier step is the head (the pieces before it ended);
+        # its attention over the context already in the pages grows with that context, so
+        # its piece shrinks to keep the step within budget (engine/step_cost.py), and the
+        # prompts behind it fill the rest of the chunk.
+        head = self._slots[self._prefilling[0]] if self._prefilling else None
+        head_limit = self.engine.step_cost.chunk_limit(head.fed) if head and head.fed else None
         # The chunk fills the largest bucket the waiting prompt tokens cover, the last piece
         # cut to fit (the rest rides along the next step): a step computes no padding but
         # when the prompts left are shorter than the smallest bucket.
-        waiting = sum(len(self._slots[s].feed) - self._slots[s].fed for s in self._prefilling)
-        filled = [c for c in cfg.chunk_buckets if c <= waiting]
+        left = [len(self._slots[s].feed) - self._slots[s].fed for s in self._prefilling]
+        if head_limit is not None:
+            left[0] = min(left[0], head_limit)
+        filled = [c for c in cfg.chunk_buckets if c <= sum(left)]
         target = filled[-1] if filled else cfg.chunk_buckets[0]
-        # A prompt continuing from an earlier step is the head (the pieces before it ended);
-        # its attention over the context already in the pages grows with that context, so
-        # its piece shrinks to keep the step within budget (engine/step_cost.py).
-        head = self._slots[self._prefilling[0]] if self._prefilling else None
-        if head is not None and head.fed:
-            target = min(target, self.engine.step_cost.chunk_limit(head.fed))
         for slot in self._prefilling:
             seq = self._slots[slot]
             start = seq.fed
             end = min(len(seq.feed), start + target - used)
+            if start and head_limit is not None:
+                end = min(end, start + head_limit)
             size = end - start
             if size <= 0:
                 break

@@ -83,35 +83,39 @@ def test_every_page_returns_after_a_mix_of_endings(small_pool_llm):
 
 def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
     """While a 90-token prompt is prefilled in pieces of at most 32 tokens, a stream already
-    decoding gets a token every step: no step of the loop runs the prompt alone."""
+    decoding gets a token every step: no step of the loop runs the prompt alone. A 30-token
+    prompt behind it fills the chunks its later, shorter pieces leave."""
     sched = tiny_llm.scheduler
     engine = sched.engine
     calls: list[tuple[int, int]] = []  # (decoding rows, prompt tokens) of each step
-    starts: list[tuple[int, int]] = []  # (start, tokens) of every piece
+    steps: list[list[tuple[int, int, bool]]] = []  # each step's (start, tokens, finishing)
     real = engine.step
 
     def spy(state, active=None, allowed=None, pieces=()):
         calls.append((int(np.sum(active)) if active is not None else -1,
                       sum(len(p.tokens) for p in pieces)))
-        starts.extend((p.start, len(p.tokens)) for p in pieces)
+        steps.append([(p.start, len(p.tokens), p.settings is not None) for p in pieces])
         return real(state, active, allowed, pieces)
 
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     stream = sched.submit(GenerationRequest.make([1, 2, 3], sp))
     events = iter(stream)
+    long_ids, short_ids = list(range(5, 95)), list(range(200, 230))
     try:
         assert isinstance(next(events), Token)
         engine.step = spy  # from here on: the stream decodes, the long prompt arrives
-        long = sched.submit(GenerationRequest.make(list(range(5, 95)), sp))
+        long = sched.submit(GenerationRequest.make(long_ids, sp))
+        short = sched.submit(GenerationRequest.make(short_ids, sp))
         long_tokens = [e for e in long if isinstance(e, Token)]
+        short_tokens = [e for e in short if isinstance(e, Token)]
         rest = [e for e in events if isinstance(e, Token)]
     finally:
         del engine.step
     assert sum(len(e.token_ids) for e in long_tokens) == 30
     assert sum(len(e.token_ids) for e in rest) == 29
     with_prompt = [c for c in calls if c[1] > 0]
-    assert sum(c[1] for c in with_prompt) == 90  # the whole prompt, in pieces
-    assert len(with_prompt) >= 3  # 90 tokens under a 32-token budget
+    assert sum(c[1] for c in with_prompt) == 120  # both prompts, in pieces
+    assert len(with_prompt) >= 4  # 120 tokens under a 32-token budget
     assert all(c[0] >= 1 for c in with_prompt)  # the stream decoded in each of them
     # Each chunk fills a bucket exactly (the last pieces cut to fit): only a tail shorter
     # than the smallest bucket is padded.
@@ -120,9 +124,12 @@ def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
     # A later piece shrinks as the context before it grows (engine/step_cost.py), and here
     # the limit binds: some piece starts where less than the largest bucket is allowed.
     limit = engine.step_cost.chunk_limit
-    later = [(start, size) for start, size in starts if start]
-    assert all(size <= limit(start) for start, size in later), starts
-    assert any(limit(start) < buckets[-1] for start, _ in later), starts
-    # Same tokens as the prompt alone.
-    alone = tiny_llm.generate([list(range(5, 95))], sp)[0].token_ids
-    assert [t for e in long_tokens for t in e.token_ids] == list(alone)
+    later = [(start, size) for step in steps for start, size, _ in step if start]
+    assert all(size <= limit(start) for start, size in later), steps
+    assert any(limit(start) < buckets[-1] for start, _ in later), steps
+    # The short prompt fills what a limited piece leaves: a step with a continuing piece
+    # that does not finish carries another prompt's piece too.
+    assert any(len(step) >= 2 and step[0][0] > 0 and not step[0][2] for step in steps), steps
+    alone = tiny_llm.generate([long_ids, short_ids], sp)
+    assert [t for e in long_tokens for t in e.token_ids] == list(alone[0].token_ids)
+    assert [t for e in short_tokens for t in e.token_ids] == list(alone[1].token_ids)
