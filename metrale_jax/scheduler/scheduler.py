@@ -198,7 +198,9 @@ class Scheduler:
         slots[i]: None, or {"request_id", "prompt_tokens", "tokens" (generated so far),
         "running_s" (since admission)}. stats: the loop's counters ("admitted", "finished",
         "steps", "tokens", "loop_errors"). Read without stopping the loop: the slot list is
-        copied at once, and each slot's sequence is read through one reference.
+        copied at once, and each slot's sequence is read through one reference. A finished
+        sequence's slot reads as free: its last event is posted before the loop frees the
+        row, and a client that saw its request end must not see it running.
         """
         with self._lock:
             waiting = len(self._waiting)
@@ -206,7 +208,7 @@ class Scheduler:
         admitted = dict(self._admitted_at)
         slots: list[dict[str, Any] | None] = []
         for i, seq in enumerate(list(self._slots)):
-            if seq is None:
+            if seq is None or seq.finished:
                 slots.append(None)
                 continue
             rid = seq.request.request_id
@@ -284,12 +286,14 @@ class Scheduler:
         for i, seq in enumerate(self._slots):
             if seq is None:
                 continue
+            # The row is freed before the last event goes out: a client that saw its request
+            # end sees its slot free.
             if seq.request.request_id in cancelled:
+                self._free_slot(i)
                 seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated))
-                self._free_slot(i)
             elif seq.request.deadline is not None and now > seq.request.deadline:
-                seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
                 self._free_slot(i)
+                seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
         with self._lock:
             keep = collections.deque()
             for seq in self._waiting:

@@ -133,3 +133,27 @@ def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
     alone = tiny_llm.generate([long_ids, short_ids], sp)
     assert [t for e in long_tokens for t in e.token_ids] == list(alone[0].token_ids)
     assert [t for e in short_tokens for t in e.token_ids] == list(alone[1].token_ids)
+
+
+def test_a_request_that_ended_reads_as_gone_before_its_row_is_freed(tiny_llm):
+    """The loop posts a request's last event, then frees its row: held in between, the
+    snapshot (what /v1/metrale/stats and /metrics read) already shows the slot free."""
+    from metrale_jax.scheduler import Finished
+    sched = tiny_llm.scheduler
+    entered, release = threading.Event(), threading.Event()
+    real = sched._free_slot
+
+    def held(slot):
+        entered.set()
+        release.wait(60)
+        real(slot)
+
+    sched._free_slot = held
+    try:
+        handle = sched.submit(GenerationRequest.make([1, 2, 3], SamplingParams(max_tokens=2)))
+        assert isinstance(list(handle)[-1], Finished)
+        assert entered.wait(60)  # the loop is between the last event and freeing the row
+        assert all(s is None for s in sched.snapshot()["slots"])
+    finally:
+        release.set()
+        del sched._free_slot
