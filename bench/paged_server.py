@@ -34,12 +34,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(root: str, args, log_path: str) -> tuple[subprocess.Popen, str]:
-    """`metrale serve` from checkout `root` on a free loopback port; waits until it answers."""
+def start_server(root: str, args, log_path: str,
+                 extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`metrale serve` from checkout `root` on a free loopback port (with `extra` flags);
+    waits until it answers."""
     port = _free_port()
     cmd = [sys.executable, "-m", "serving.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--max-slots", str(args.max_slots), "--max-len",
-           str(args.max_len), "--max-waiting", "1024", "--request-timeout", "3600"]
+           str(args.max_len), "--max-waiting", "1024", "--request-timeout", "3600",
+           *(extra or [])]
     # Both checkouts serve this checkout's pulled default model.
     env = dict(os.environ, PYTHONPATH=root)
     env.setdefault("METRALE_CHECKPOINTS", str(HERE / "checkpoints"))

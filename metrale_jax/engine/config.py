@@ -59,6 +59,11 @@ class EngineConfig:
         (`sharding.default_mesh_shape`). Static: slots shard over data, heads over model.
     memory_gb: GiB of memory per device for the memory plan, where the devices report none
         (CPU) or to plan for less than they have; None = what `memory_stats()` says.
+    prefix_cache: full KV pages are cached by content and shared by the prompts that start
+        with them (engine/prefix_cache.py); False = every prompt is prefilled whole.
+    prefix_cache_share: the most of the pool (a fraction of its usable pages, 0 .. 1) that
+        cached pages no running sequence holds may keep; running sequences may always use
+        them all (idle cached pages are evicted first).
     """
 
     max_slots: int | None = 8
@@ -77,6 +82,8 @@ class EngineConfig:
     memory_gb: float | None = None
     page_size: int | None = None
     num_pages: int | None = None
+    prefix_cache: bool = True
+    prefix_cache_share: float = 1.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -99,6 +106,12 @@ class EngineConfig:
                 isinstance(self.memory_gb, bool) or not isinstance(self.memory_gb, int | float)
                 or not 0 < self.memory_gb < math.inf):
             raise bad("memory_gb", "must be a positive number of GiB")
+        if not isinstance(self.prefix_cache, bool):
+            raise bad("prefix_cache", "must be True or False")
+        if (isinstance(self.prefix_cache_share, bool)
+                or not isinstance(self.prefix_cache_share, int | float)
+                or not 0.0 <= self.prefix_cache_share <= 1.0):
+            raise bad("prefix_cache_share", "must be a number from 0 to 1")
         if self.page_size is None:
             object.__setattr__(self, "page_size", DEFAULT_PAGE_SIZE)
         if (not isinstance(self.page_size, int) or isinstance(self.page_size, bool)

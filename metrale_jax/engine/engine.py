@@ -9,14 +9,18 @@ Compiled programs (each compiled once, ahead of time, and kept in `self._compile
   decode rows 0 .. n-1 each decode a token and a chunk of C prompt tokens (pieces of any
   prompts, C a chunk bucket) is prefilled along, the prompts that end in it sampling their
   first tokens; without a chunk (C = 0) `decode_steps` decode steps run in one call;
-- `init`: an empty `DecodeState`.
+- `init`: an empty `DecodeState`;
+- `seed`: a row's token history set to a prefix shared from the prefix cache
+  (`steps.seed_history`).
 `warmup()` compiles them all; afterwards `compile_count` stays flat for any request mix (every
 request parameter, page table and piece layout is data). JAX's persistent compilation cache
 (EngineConfig.compilation_cache_dir) makes a second start fast.
 
 Host API for the batching loop: `step(state, active, allowed, pieces) -> (state, out)`
-(a small `StepOutput` to copy asynchronously) and `release(slot)`; `add(state, items)` prefills
-whole prompts with no row decoding (scripts, tests, benchmarks).
+(a small `StepOutput` to copy asynchronously) and `release(slot)`; the prefix cache's
+`reuse_prefix`, `reserve` and `cache_pages` (host data only: which pages a row shares and which
+it offers); `add(state, items)` prefills whole prompts with no row decoding (scripts, tests,
+benchmarks).
 
 Placement (`engine/placement.py`): before anything is allocated the engine chooses its mesh
 and memory plan (which may choose max_slots / max_len); params are placed sharded after the
@@ -48,6 +52,7 @@ from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.pages import PageTable
 from metrale_jax.engine.placement import Placement, StepShardings, place
+from metrale_jax.engine.prefix_cache import PrefixCache
 from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.engine.sharding import abstract_params, shard_params
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput, settings_to_arrays
@@ -128,7 +133,10 @@ class Engine:
         N, B = cfg.num_top_logprobs, cfg.max_slots
         self.vocab_size = model_config.vocab_size
         self.num_pages = cfg.resolved_num_pages
-        self.pages = PageTable(self.num_pages, cfg.page_size, B, cfg.max_len)
+        cache = None
+        if cfg.prefix_cache:
+            cache = PrefixCache(int(cfg.prefix_cache_share * (self.num_pages - 1)))
+        self.pages = PageTable(self.num_pages, cfg.page_size, B, cfg.max_len, cache)
         # How far a long prompt's later piece may fill a chunk (the scheduler's step budget).
         self.step_cost = StepCost(model_config, cfg.chunk_buckets)
         # Host mirror of each row's position (where its next token goes), for page allocation.
@@ -187,6 +195,15 @@ class Engine:
     def _init_exe(self):
         return self._executable(("init",), self._jit_init)
 
+    def _seed_exe(self):
+        """The program that seeds a row's token history with a shared prefix."""
+        i32 = jnp.int32
+        fn = jax.jit(steps.seed_history, donate_argnums=(0,),
+                     out_shardings=self.shardings.state)
+        return self._executable(("seed",), fn, self._state_spec, _spec((), i32),
+                                _spec((self.config.max_len,), i32), _spec((), i32),
+                                _spec((), i32))
+
     def _shape(self, n: int, chunk: int, k: int) -> steps.StepShape:
         return steps.StepShape(n, chunk, self.config.max_prefill_batch if chunk else 0, k)
 
@@ -199,10 +216,10 @@ class Engine:
                      out_shardings=(self.shardings.state, self.shardings.replicated))
         chunk_spec = None
         if chunk:
-            R, scalar = shape.finish, _spec((), i32)
+            R = shape.finish
             chunk_spec = steps.ChunkInputs(
                 _spec((chunk,), i32), _spec((chunk,), i32), _spec((chunk,), i32),
-                _spec((chunk,), jnp.bool_), scalar, scalar, _spec((R,), i32), _spec((R,), i32),
+                _spec((chunk,), jnp.bool_), _spec((R,), i32), _spec((R,), i32),
                 _spec((R,), i32), self._sampling_spec(R), self._mask_spec(R))
         return self._executable(("step", n, chunk, k), fn, self._params_spec, self._state_spec,
                                 _spec((B, cfg.pages_per_seq), i32), _spec((B,), jnp.bool_),
@@ -224,7 +241,7 @@ class Engine:
         calling thread), for progress bars.
         """
         t0 = time.perf_counter()
-        jobs = [self._init_exe]
+        jobs = [self._init_exe, self._seed_exe]
         jobs += [functools.partial(self._step_exe, *shape) for shape in self.program_grid()]
         with ThreadPoolExecutor(max(1, workers)) as pool:
             futures = [pool.submit(job) for job in jobs]
@@ -267,6 +284,35 @@ class Engine:
         self.pages.release(slot)
         self.lengths[slot] = 0
 
+    def reuse_prefix(self, slot: int, keys: Sequence[str], budget: int) -> int:
+        """Row `slot` shares the longest run of cached pages with `keys` (the content keys of
+        its next full pages, from its first page not yet held; the row holds full pages
+        only). At most `budget` of them may be idle pages (each one taken from the pool).
+        Returns the pages attached (0 without a prefix cache)."""
+        cache = self.pages.cache
+        if cache is None or not keys:
+            return 0
+        hits = cache.lookup(keys)
+        for i, page in enumerate(hits):
+            if self.pages.refcount[page] == 0:
+                if budget <= 0:
+                    hits = hits[:i]
+                    break
+                budget -= 1
+        self.pages.attach(slot, hits)
+        return len(hits)
+
+    def reserve(self, slot: int, length: int) -> bool:
+        """Gives row `slot` the pages for `length` positions now (before the step that writes
+        them, so they can be cached at once); False when the pool is short."""
+        return self.pages.ensure(slot, length)
+
+    def cache_pages(self, slot: int, first: int, keys: Sequence[str]) -> int:
+        """Offers row `slot`'s full pages `first, ...` to the prefix cache under `keys` (their
+        content is written by a step launched before any step that reads them). Returns how
+        many joined the cache."""
+        return self.pages.register(slot, first, list(keys))
+
     def decode_shortfall(self, active: np.ndarray) -> int:
         """Pages the active rows need for the next `decode_steps` tokens beyond what they
         hold."""
@@ -289,8 +335,10 @@ class Engine:
         active: [B] bool, the rows that decode (None = all rows holding a sequence);
         allowed: [B, ceil(V/32)] uint32 grammar bitmasks (None = every token allowed);
         pieces: prompt pieces (see `Piece`); their tokens together at most max_prefill_len, at
-        most max_prefill_batch of them finishing, at most one continuing a prompt (start > 0),
-        none on an active row. Without pieces the call runs `decode_steps` steps.
+        most max_prefill_batch of them finishing, one per row, none on an active row; a piece
+        at start > 0 attends to its row's pages before it (held: an earlier piece, or shared
+        from the prefix cache). Without pieces the call runs `decode_steps` steps.
+        A piece with a `prefix` seeds its row's token history first (`steps.seed_history`).
         Pages are allocated here for every position written (`OutOfPagesError` when the pool
         cannot hold them: nothing is launched then). Returns the state and
         StepOutput `[k, B + R]`: column b is row b's decode token, column B + r the first
@@ -313,6 +361,9 @@ class Engine:
                                             self.pages.pages_per_seq * cfg.page_size)
             return out
         chunk, finishing = self._pack(pieces, active)
+        for p in pieces:
+            if p.prefix:
+                state = self._seed(state, p)
         n = next(r for r in cfg.mixed_row_buckets if top <= r)
         C = int(chunk.tokens.shape[0])
         # A copy of the table: on CPU a queued step may read its NumPy inputs in place, and
@@ -324,6 +375,14 @@ class Engine:
         for piece in finishing:
             self.lengths[piece.slot] = piece.start + len(piece.tokens)
         return state, out
+
+    def _seed(self, state: DecodeState, piece: Piece) -> DecodeState:
+        """Runs the `seed` program for a piece whose row shares its prefix's pages."""
+        tokens = np.zeros(self.config.max_len, np.int32)
+        tokens[:len(piece.prefix)] = piece.prefix
+        i32 = np.int32
+        return self._seed_exe()(state, i32(piece.slot), tokens, i32(len(piece.prefix)),
+                                i32(piece.first_generated))
 
     def _pack(self, pieces: Sequence[Piece],
               active: np.ndarray) -> tuple[steps.ChunkInputs, list[Piece]]:
@@ -337,8 +396,6 @@ class Engine:
                 f"a step's pieces hold {total} tokens; 1 .. {cfg.max_prefill_len} fit")
         if len(finishing) > R:
             raise InvalidParameterError(f"{len(finishing)} prompts end in one step; at most {R}")
-        if sum(p.start > 0 for p in pieces) > 1:
-            raise InvalidParameterError("at most one piece per step may continue a prompt")
         if len({p.slot for p in pieces}) < len(pieces):
             raise InvalidParameterError("two pieces for one row in a step")
         for p in pieces:
@@ -347,14 +404,16 @@ class Engine:
             if p.start + len(p.tokens) > cfg.max_len - 1:
                 raise ContextLengthError(f"row {p.slot}: a prompt of more than "
                                          f"{cfg.max_len - 1} tokens")
-        need = sum(self.pages.shortfall(p.slot, p.start + len(p.tokens)) if p.start else
-                   self.pages.pages_for(p.start + len(p.tokens)) for p in pieces)
-        reusable = sum(int(self.pages.owned[p.slot]) for p in pieces if p.start == 0)
-        if need > self.pages.free_pages + reusable:
+            if p.prefix and len(p.prefix) != p.start:
+                raise InvalidParameterError(f"row {p.slot}: a prefix of {len(p.prefix)} "
+                                            f"tokens for a piece at {p.start}")
+            if self.pages.owned[p.slot] * cfg.page_size < p.start:
+                raise InvalidParameterError(f"row {p.slot} holds no pages for positions "
+                                            f"before {p.start}")
+        need = sum(self.pages.shortfall(p.slot, p.start + len(p.tokens)) for p in pieces)
+        if need > self.pages.free_pages:
             raise OutOfPagesError(f"the pieces need {need} pages; {self.pages.free_pages} free")
         for p in pieces:
-            if p.start == 0:
-                self.release(p.slot)
             self._ensure(p.slot, p.start + len(p.tokens))
         C = cfg.chunk_bucket_for(total)
         tokens = np.zeros(C, np.int32)
@@ -365,7 +424,7 @@ class Engine:
         finish_steps = np.zeros(R, np.int32)
         finish_rows = np.full(R, B, np.int32)
         allowed = self.all_allowed(R)
-        ctx_row, ctx_len, at = -1, 0, 0
+        at = 0
         for p in pieces:
             m = len(p.tokens)
             tokens[at:at + m] = p.tokens
@@ -373,8 +432,6 @@ class Engine:
             positions[at:at + m] = np.arange(p.start, p.start + m)
             if p.first_generated:
                 generated[at:at + m] = positions[at:at + m] >= p.first_generated
-            if p.start:
-                ctx_row, ctx_len = p.slot, p.start
             at += m
         at = 0
         r = 0
@@ -387,10 +444,8 @@ class Engine:
                     allowed[r] = p.settings.first_mask
                 r += 1
         sampling = settings_to_arrays([p.settings for p in finishing], R, self.vocab_size)
-        i32 = np.int32
-        return steps.ChunkInputs(tokens, rows, positions, generated, i32(ctx_row),
-                                 i32(ctx_len), finish_index, finish_rows, finish_steps, sampling,
-                                 allowed), finishing
+        return steps.ChunkInputs(tokens, rows, positions, generated, finish_index, finish_rows,
+                                 finish_steps, sampling, allowed), finishing
 
     def add(self, state: DecodeState, items: Sequence[Item]) -> tuple[DecodeState, StepOutput]:
         """Prefills prompts into slots and samples their first tokens (no row decodes
@@ -410,6 +465,8 @@ class Engine:
                 raise InvalidParameterError(f"bad or repeated slot {slot}", param="slots")
             seen.add(slot)
             self.check_prompt(len(ids))
+        for slot, _, _ in items:  # the slots' earlier sequences are replaced
+            self.release(slot)
         queue = [(i, Piece.cut(slot, ids, settings, cfg.max_prefill_len))
                  for i, (slot, ids, settings) in enumerate(items)]
         work = collections.deque((i, piece) for i, cuts in queue for piece in cuts)
@@ -440,13 +497,16 @@ class Piece:
     row `slot`; `settings` is the request's `SlotSettings` on the prompt's last piece (its
     first token is sampled in the step) and None on earlier pieces. first_generated: for a
     preempted request fed again, the position of its first generated token (the tokens from
-    there count as generated for the penalties); 0 = none."""
+    there count as generated for the penalties); 0 = none. prefix: on a row's first piece
+    when its positions before `start` are shared pages from the prefix cache, the token ids
+    of those positions (they seed the row's token history); else empty."""
 
     slot: int
     tokens: tuple[int, ...]
     start: int
     settings: SlotSettings | None
     first_generated: int = 0
+    prefix: tuple[int, ...] = ()
 
     @classmethod
     def cut(cls, slot: int, ids: Sequence[int], settings: SlotSettings,
@@ -461,23 +521,21 @@ class Piece:
 def plan_pieces(work: collections.deque, budget: int,
                 finish_limit: int) -> tuple[list[Piece], list[int]]:
     """Takes from the front of `work` ((item, Piece) pairs, in order) the pieces of one step:
-    at most `budget` tokens, `finish_limit` finishing pieces, one continuing piece, one piece
-    per row and a row's pieces in order. Returns the pieces and the items of the finishing
+    at most `budget` tokens, `finish_limit` finishing pieces, one piece per row and a row's
+    pieces in order. Returns the pieces and the items of the finishing
     ones (in order)."""
     batch: list[Piece] = []
     cols: list[int] = []
-    used, rows, continuing = 0, set(), False
+    used, rows = 0, set()
     while work:
         item, piece = work[0]
         if (used + len(piece.tokens) > budget or piece.slot in rows
-                or (piece.start and continuing)
                 or (piece.settings is not None and len(cols) >= finish_limit)):
             break
         work.popleft()
         batch.append(piece)
         used += len(piece.tokens)
         rows.add(piece.slot)
-        continuing |= piece.start > 0
         if piece.settings is not None:
             cols.append(item)
     return batch, cols

@@ -8,11 +8,13 @@ piece also attends to its `ctx` positions already in the pages, which grows the 
 bound: on a 2-core CPU a 512-token piece with 7,500 positions of context took 8 s, against
 under 1 s at the start of the prompt, and every decoding row waited for it.
 
-`StepCost.chunk_limit(ctx)` is the largest chunk bucket whose cost, for a piece continuing
-after `ctx` positions, stays within the cost of a full chunk (`max_prefill_len` tokens) that
-continues after one chunk of context. A later piece of a long prompt then shrinks as its context
-grows (the scheduler fills the rest of the chunk with the prompts behind it, whose query blocks
-skip the context: `chunk_attention`), and the rows that decode beside it keep their pace.
+`StepCost.budget` is the cost of a full chunk (`max_prefill_len` tokens) that continues after
+one chunk of context; `chunk_limit(ctx)` is the largest chunk bucket whose cost, for a piece
+continuing after `ctx` positions, stays within it, and `piece_limit` cuts each piece of a step
+so that all of them together stay within it (pieces after a long shared prefix included). A
+later piece of a long prompt then shrinks as its context grows (the scheduler fills the rest of
+the chunk with the prompts behind it, which read only their own context: `chunk_attention`),
+and the rows that decode beside it keep their pace.
 Prefill throughput does not suffer where the cut applies: attention, linear in the piece's
 size, dominates each token's cost there. Sliding-window layers (Mistral, Gemma 2) read at most
 `sliding_window` positions.
@@ -51,6 +53,16 @@ class StepCost:
                 read = min(read, window)
             total += size * (self.token_flops + read * self.position_flops)
         return total
+
+    def piece_limit(self, remaining: int, ctx: int, flops_left: float) -> int:
+        """The tokens a piece may take of the `remaining` ones of its prompt, after `ctx`
+        positions of context, within `flops_left`: all of them when they fit, else the
+        largest chunk bucket that fits, else 0."""
+        if self.piece_flops(remaining, ctx) <= flops_left:
+            return remaining
+        fits = [c for c in self.buckets
+                if c < remaining and self.piece_flops(c, ctx) <= flops_left]
+        return fits[-1] if fits else 0
 
     def chunk_limit(self, ctx: int) -> int:
         """The largest chunk bucket a piece continuing after `ctx` positions may fill (never

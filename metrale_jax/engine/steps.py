@@ -62,9 +62,9 @@ class ChunkInputs:
     tokens, rows, positions: [C] int32, each chunk token, its row (-1 = padding) and its
     position in the row's sequence (a row's tokens contiguous and increasing);
     generated: [C] bool, tokens the row generated before it was preempted (fed again: they
-    count for the penalties as generated tokens, not prompt tokens);
-    ctx_row: int32, the one row whose piece continues a prompt already partly in the pages
-    (-1 = none), ctx_len: int32, how many positions of it are there;
+    count for the penalties as generated tokens, not prompt tokens). A piece whose first
+    position p0 is past 0 attends to positions 0 .. p0 - 1 of its row in the pages (an
+    earlier piece of its prompt, or a prefix shared from the prefix cache);
     finish_index: [R] int32, the chunk index of the last prompt token of each prompt that
     ends in this step; finish_rows: [R] int32, their rows (B = none); finish_steps: [R]
     int32, the sampling step of each one's next token (0, or the tokens it generated before
@@ -77,8 +77,6 @@ class ChunkInputs:
     rows: jax.Array
     positions: jax.Array
     generated: jax.Array
-    ctx_row: jax.Array
-    ctx_len: jax.Array
     finish_index: jax.Array
     finish_rows: jax.Array
     finish_steps: jax.Array
@@ -97,6 +95,29 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
         positions=zeros, tokens=zeros, steps=zeros,
         sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
         history=TokenHistory.zeros(slots, length, cfg.vocab_size))
+
+
+def seed_history(state: DecodeState, row: jax.Array, tokens: jax.Array, length: jax.Array,
+                 first_generated: jax.Array) -> DecodeState:
+    """Sets row `row`'s token history to a sequence whose first `length` tokens come from the
+    prefix cache (their keys and values are in shared pages, so no chunk carries them).
+
+    tokens: [S] int32 (entries past `length` ignored); first_generated: int32, the position of
+    the first token the sequence generated before a preemption (0 = all prompt): tokens from
+    there count as generated, the others as prompt tokens. State donated; the rest of the
+    state is unchanged (the row's piece, in the next step, adds the positions after them).
+    """
+    h = state.history
+    V = h.counts.shape[1]
+    idx = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    real = idx < length
+    gen = real & (first_generated > 0) & (idx >= first_generated)
+    seen = jnp.zeros((V,), jnp.bool_).at[jnp.where(real & ~gen, tokens, V)].set(
+        True, mode="drop")
+    counts = jnp.zeros((V,), jnp.int32).at[jnp.where(gen, tokens, V)].add(1, mode="drop")
+    history = TokenHistory(h.tokens.at[row].set(jnp.where(real, tokens, h.tokens[row])),
+                           h.counts.at[row].set(counts), h.prompt_seen.at[row].set(seen))
+    return dataclasses.replace(state, history=history)
 
 
 def _slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array, page_size: int):
@@ -143,21 +164,15 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
             slots = jnp.concatenate([slots, chunk_slots])
             tokens = jnp.concatenate([dec_tokens, chunk.tokens])
             positions = jnp.concatenate([dec_pos, chunk.positions])
-            ctx_table = page_table[jnp.clip(chunk.ctx_row, 0, B - 1)]
-            ctx_len = jnp.where(chunk.ctx_row >= 0, chunk.ctx_len, 0)
             chunk_rows = chunk.rows
         else:
-            ctx_table = jnp.zeros((pps,), jnp.int32)
-            ctx_len = jnp.zeros((), jnp.int32)
             chunk_rows = jnp.zeros((0,), jnp.int32)
         kernel = None
         if use_tpu_kernel():  # the whole step through JAX's Pallas kernel
             kernel = kernel_layout(page_table, dec_lens, chunk_rows,
                                    chunk.positions if C else jnp.zeros((0,), jnp.int32))
-        layout = StepLayout(
-            slots=slots, dec_table=dec_table, dec_lens=dec_lens, chunk_rows=chunk_rows,
-            ctx_table=ctx_table, ctx_row=chunk.ctx_row if C else jnp.int32(-1),
-            ctx_len=ctx_len, kernel=kernel)
+        layout = StepLayout(slots=slots, dec_table=dec_table, dec_lens=dec_lens,
+                            chunk_rows=chunk_rows, page_table=page_table, kernel=kernel)
         return ragged_layers(graph, params, pages, tokens, positions, layout, n=n)
 
     def decode_once(carry):

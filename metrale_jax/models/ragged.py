@@ -4,10 +4,13 @@ A step's T tokens are laid out flat, in two tiers whose sizes are static:
 - tokens `0 .. n-1`: one decode token for each of the rows `0 .. n-1` (a row not decoding this
   step writes to the null page and its output is ignored);
 - tokens `n .. n+C-1`: the prefill chunk, made of whole prompts and prompt pieces of any rows
-  (token t belongs to row `chunk_rows[t]`, -1 for padding), at most one of which has earlier
-  context in the pages (a long prompt's later piece).
+  (token t belongs to row `chunk_rows[t]`, -1 for padding); a piece that starts past position
+  0 has earlier context in its row's pages (a long prompt's later piece, or a prefix shared
+  from the prefix cache).
 Every token's key and value are written into its row's pages first; then decode rows attend to
-their pages and the chunk attends to itself plus that one context (`models/paged_attention.py`).
+their pages and the chunk attends to itself plus each piece's context
+(`models/paged_attention.py`). Pages written in a step are read in the same step: a piece may
+share a prefix that another piece of the step writes.
 The projections, norms and MLP run once over all T tokens, so a prompt riding along costs
 its tokens' compute and never stops the rows that decode.
 
@@ -46,8 +49,8 @@ class StepLayout:
     dec_table: [n, PPS] int32, the decode rows' page tables; dec_lens: [n] int32, the
         positions each decode row attends to (its new token included; 0 = idle).
     chunk_rows: [C] int32, the row of each chunk token (-1 = padding).
-    ctx_table: [PPS] int32, the page table of the chunk's one row with context; ctx_row: its
-        row (-1 = none); ctx_len: int32, its positions already in the pages.
+    page_table: [B, PPS] int32, every row's pages (the chunk's pieces read their context
+        through their rows).
     kernel: the same step for the TPU kernel (`kernel_layout`), on TPU only (else None).
     """
 
@@ -55,9 +58,7 @@ class StepLayout:
     dec_table: jax.Array
     dec_lens: jax.Array
     chunk_rows: jax.Array
-    ctx_table: jax.Array
-    ctx_row: jax.Array
-    ctx_len: jax.Array
+    page_table: jax.Array
     kernel: KernelLayout | None = None
 
 
@@ -158,8 +159,7 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, *, s
                                           **opts))
         if q.shape[0] > n:
             parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows,
-                                         positions[n:], pool, layout.ctx_table,
-                                         layout.ctx_row, layout.ctx_len, **opts))
+                                         positions[n:], pool, layout.page_table, **opts))
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     # [T, H*D] @ [H*D, E]: an einsum over (h, d) makes XLA:CPU transpose o_proj every step.
     T, H, D = out.shape

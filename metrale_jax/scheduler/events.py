@@ -35,6 +35,7 @@ class Finished:
     finish_reason: "stop" (eos, stop token or stop string) or "length" (max_tokens or the end
     of the context). stop_reason: the matched stop string or stop token id, None for eos.
     text: any text held back until the end (already included in no `Token`).
+    cached_tokens: the prompt tokens whose keys and values came from the prefix cache.
     """
 
     finish_reason: str
@@ -42,6 +43,7 @@ class Finished:
     completion_tokens: int
     stop_reason: str | int | None = None
     text: str = ""
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,6 +70,9 @@ first, at their own pace)."""
 STOP_TIMEOUT_S = 30.0
 """How long the leader, stopping, waits for the followers to hang up."""
 _DATACLASSES: dict[str, type] = {"SlotSettings": SlotSettings, "Piece": Piece}
+PAGE_CALLS = ("release", "reuse_prefix", "reserve", "cache_pages")
+"""The engine's host-side page calls a follower repeats (no program runs): its page table and
+prefix cache follow the leader's, so the same pages hold the same positions everywhere."""
 _HELLO = struct.Struct(">16sI")  # token, process id
 _LENGTH = struct.Struct(">I")
 
@@ -420,12 +423,29 @@ class LeaderEngine:
         """`Engine.step`, on every process."""
         return self._call("step", self.engine.step, state, *args, **kwargs)
 
-    def release(self, slot: int) -> None:
-        """`Engine.release`, on every process (their page tables stay the same)."""
+    def _host(self, op: str, *args: Any) -> Any:
+        """A host-side page call (`PAGE_CALLS`), on every process (their page tables and
+        prefix caches stay the same)."""
         # A lost peer: the requests are failing and the server exits; the next step raises.
         with contextlib.suppress(PeerLostError):
-            self.channel.send({"op": "release", "args": encode([slot]), "kwargs": encode({})})
-        self.engine.release(slot)
+            self.channel.send({"op": op, "args": encode(list(args)), "kwargs": encode({})})
+        return getattr(self.engine, op)(*args)
+
+    def release(self, slot: int) -> None:
+        """`Engine.release`, on every process."""
+        self._host("release", slot)
+
+    def reuse_prefix(self, slot: int, keys: list[str], budget: int) -> int:
+        """`Engine.reuse_prefix`, on every process."""
+        return self._host("reuse_prefix", slot, list(keys), budget)
+
+    def reserve(self, slot: int, length: int) -> bool:
+        """`Engine.reserve`, on every process."""
+        return self._host("reserve", slot, length)
+
+    def cache_pages(self, slot: int, first: int, keys: list[str]) -> int:
+        """`Engine.cache_pages`, on every process."""
+        return self._host("cache_pages", slot, first, list(keys))
 
 
 def run_follower(engine: Any, channel: FollowerChannel) -> None:
@@ -451,8 +471,8 @@ def run_follower(engine: Any, channel: FollowerChannel) -> None:
                 state, out = engine.add(state, *args, **kwargs)
             elif op == "step":
                 state, out = engine.step(state, *args, **kwargs)
-            elif op == "release":
-                engine.release(*args)
+            elif op in PAGE_CALLS:
+                getattr(engine, op)(*args)
                 continue
             else:
                 raise PeerLostError(f"process 0 sent an unknown call {op!r}")

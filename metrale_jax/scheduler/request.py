@@ -27,21 +27,27 @@ class GenerationRequest:
     """What the scheduler needs to run one generation.
 
     prompt_ids: the prompt's token ids. deadline: `time.monotonic()` value after which the
-    request ends with `TimedOut` (None = no deadline).
+    request ends with `TimedOut` (None = no deadline). tenant and cache_salt: the prefix
+    cache's isolation key (who is calling, and a secret the caller may add): requests share
+    cached pages only when both are equal (None and None: the public namespace).
     """
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
     deadline: float | None = None
+    tenant: str | None = None
+    cache_salt: str | None = None
 
     @classmethod
     def make(cls, prompt_ids: Sequence[int], params: SamplingParams,
-             timeout: float | None = None, request_id: str | None = None) -> GenerationRequest:
+             timeout: float | None = None, request_id: str | None = None,
+             tenant: str | None = None, cache_salt: str | None = None) -> GenerationRequest:
         """Builds a request; `timeout` seconds from now becomes the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         kw = {"request_id": request_id} if request_id else {}
-        return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline, **kw)
+        return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline,
+                   tenant=tenant, cache_salt=cache_salt, **kw)
 
 
 class RequestHandle:

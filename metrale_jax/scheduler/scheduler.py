@@ -330,48 +330,87 @@ class Scheduler:
                                                    first_mask=self.grammar.mask_of(seq.matcher))
             seq.feed = list(seq.request.prompt_ids) + list(seq.token_ids)
             seq.fed = 0
+            seq.keyed = 0
+            seq.seeded = False
             self._slots[slot] = seq
             self._prefilling.append(slot)
             self._admitted_at[slot] = (seq.request.request_id, now)
             self.grammar.freed(slot)
         self.stats["admitted"] += sum(1 for _, s in admitted if not s.token_ids)
 
-    def _pieces(self, budget_pages: int) -> list[tuple[Piece, Sequence]]:
+    def _share_prefix(self, slot: int, seq: Sequence, decode_need: int) -> None:
+        """Row `slot`, before its first piece, shares the cached pages that continue its
+        prefix (whole pages, leaving at least the prompt's last token to compute: its logits
+        give the first token); `decode_need` pages stay for the decoding rows."""
+        pages = self.engine.pages
+        if pages.cache is None or seq.seeded:
+            return
+        ps = pages.page_size
+        have = int(pages.owned[slot])
+        limit = (len(seq.feed) - 1) // ps
+        if seq.fed != have * ps or have >= limit:
+            return
+        keys = seq.keys_for(limit, ps)[have:]
+        got = self.engine.reuse_prefix(slot, keys, pages.free_pages - decode_need)
+        seq.fed += got * ps
+        seq.keyed = have + got
+
+    def _offer_pages(self, slot: int, seq: Sequence, written: int) -> None:
+        """Offers the prefix cache row `slot`'s full pages whose `written` first positions
+        are (or are being) written and whose tokens are known."""
+        pages = self.engine.pages
+        if pages.cache is None:
+            return
+        ps = pages.page_size
+        full = min(written, seq.prompt_len + len(seq.token_ids), int(pages.owned[slot]) * ps)
+        full //= ps
+        if full > seq.keyed:
+            keys = seq.keys_for(full, ps)
+            self.engine.cache_pages(slot, seq.keyed, keys[seq.keyed:full])
+            seq.keyed = full
+
+    def _pieces(self, decode_need: int) -> list[tuple[Piece, Sequence]]:
         """The prompt pieces of the next step, in admission order: filling the largest chunk
-        bucket that the waiting prompt tokens cover (the last piece cut to fit), a long
-        prompt's later piece at most `engine.step_cost.chunk_limit` of its context, at most
-        `max_prefill_batch` finishing, one continuing, and within `budget_pages`."""
-        cfg, pages = self.engine.config, self.engine.pages
-        out: list[tuple[Piece, Sequence]] = []
-        used = finishing = 0
-        continuing = False
-        # A prompt continuing from an earlier step is the head (the pieces before it ended);
-        # its attention over the context already in the pages grows with that context, so
-        # its piece shrinks to keep the step within budget (engine/step_cost.py), and the
-        # prompts behind it fill the rest of the chunk.
-        head = self._slots[self._prefilling[0]] if self._prefilling else None
-        head_limit = self.engine.step_cost.chunk_limit(head.fed) if head and head.fed else None
+        bucket that the waiting prompt tokens cover (the last piece cut to fit), the pieces
+        after a context (a prompt's later piece, or one after a shared prefix) cut so that
+        their cost together stays within `engine.step_cost.budget` (fresh prompts fill what
+        they leave: the chunk's bucket is computed anyway), at most `max_prefill_batch`
+        finishing, and leaving
+        `decode_need` pages for the decoding rows. A row's first piece starts after the
+        prefix it shares from the prefix cache (pages cached by earlier steps, or written by
+        an earlier piece of this same step: the choices of one prompt prefill it once).
+        Pages are reserved, and full ones offered to the cache, as pieces are chosen."""
+        cfg, pages, cost = self.engine.config, self.engine.pages, self.engine.step_cost
+        for slot in self._prefilling:
+            self._share_prefix(slot, self._slots[slot], decode_need)
         # The chunk fills the largest bucket the waiting prompt tokens cover, the last piece
         # cut to fit (the rest rides along the next step): a step computes no padding but
         # when the prompts left are shorter than the smallest bucket.
-        left = [len(self._slots[s].feed) - self._slots[s].fed for s in self._prefilling]
-        if head_limit is not None:
-            left[0] = min(left[0], head_limit)
-        filled = [c for c in cfg.chunk_buckets if c <= sum(left)]
-        target = filled[-1] if filled else cfg.chunk_buckets[0]
+        left = []
         for slot in self._prefilling:
             seq = self._slots[slot]
+            rest = len(seq.feed) - seq.fed
+            left.append(cost.piece_limit(rest, seq.fed, cost.budget) or cfg.chunk_buckets[0])
+        filled = [c for c in cfg.chunk_buckets if c <= sum(left)]
+        target = filled[-1] if filled else cfg.chunk_buckets[0]
+        out: list[tuple[Piece, Sequence]] = []
+        used = finishing = 0
+        flops_left = cost.budget
+        for slot in self._prefilling:
+            seq = self._slots[slot]
+            self._share_prefix(slot, seq, decode_need)  # what earlier pieces just offered
             start = seq.fed
-            end = min(len(seq.feed), start + target - used)
-            if start and head_limit is not None:
-                end = min(end, start + head_limit)
-            size = end - start
-            if size <= 0:
-                break
+            rest = len(seq.feed) - start
+            size = min(rest, target - used)
+            if start:  # attention to its context: the dearer the longer that is
+                size = min(size, cost.piece_limit(rest, start, flops_left))
+            if not out:  # the step always makes progress
+                size = max(size, min(rest, cfg.chunk_buckets[0]))
+            end = start + size
             last = end == len(seq.feed)
-            need = pages.shortfall(slot, end)
-            if (used + size > cfg.max_prefill_len or (start and continuing)
-                    or (last and finishing >= cfg.max_prefill_batch) or need > budget_pages):
+            if (size <= 0 or used + size > cfg.max_prefill_len
+                    or (last and finishing >= cfg.max_prefill_batch)
+                    or pages.shortfall(slot, end) > pages.free_pages - decode_need):
                 break
             settings = None
             if last:
@@ -379,12 +418,24 @@ class Scheduler:
                 if seq.token_ids:  # resumed: what was generated before counts as generated
                     settings = dataclasses.replace(settings, generated=len(seq.token_ids))
             first_generated = seq.prompt_len if seq.token_ids else 0
+            prefix = ()
+            if not seq.seeded:
+                seq.seeded = True
+                prefix = tuple(seq.feed[:start])
+                if seq.cached_tokens is None:  # a new request (not one resumed)
+                    seq.cached_tokens = min(start, seq.prompt_len)
+                    if pages.cache is not None:
+                        self.stats["prefix_cache_queries"] += seq.prompt_len
+                        self.stats["prefix_cache_hits"] += seq.cached_tokens
+            self.engine.reserve(slot, end)
             out.append((Piece(slot, tuple(seq.feed[start:end]), start, settings,
-                              first_generated), seq))
+                              first_generated, prefix), seq))
             used += size
-            budget_pages -= need
+            if start:
+                flops_left -= cost.piece_flops(size, start)
             finishing += last
-            continuing |= start > 0
+            seq.fed = end
+            self._offer_pages(slot, seq, end)
         return out
 
     def _launch_step(self, pending: collections.deque) -> _Pending | None:
@@ -405,7 +456,7 @@ class Scheduler:
                 continue
             if not self._preempt():
                 return None
-        pieces = self._pieces(engine.pages.free_pages - need) if self._prefilling else []
+        pieces = self._pieces(need) if self._prefilling else []
         if not active.any() and not pieces:
             return None
         self.state, out = engine.step(self.state, active, allowed, [p for p, _ in pieces])
@@ -414,7 +465,6 @@ class Scheduler:
         owners = [(int(i), int(i), self._slots[i]) for i in np.flatnonzero(active)]
         r = 0
         for piece, seq in pieces:
-            seq.fed = piece.start + len(piece.tokens)
             if piece.settings is not None:
                 owners.append((B + r, piece.slot, seq))
                 self._prefilling.remove(piece.slot)
@@ -462,6 +512,8 @@ class Scheduler:
                 self.stats["tokens"] += 1
                 if seq.finished:
                     break
+            if slot not in self._prefilling:  # pages its decoding filled join the cache
+                self._offer_pages(slot, seq, int(self.engine.lengths[slot]))
             if seq.finished:
                 self._free_slot(slot)
                 self.stats["finished"] += 1

@@ -51,6 +51,31 @@ class Sequence:
         self.settings = None
         self.feed: list[int] = []
         self.fed = 0
+        # The prefix cache's: the root of this sequence's page keys (its isolation key), the
+        # keys of its full pages so far, how many of the row's pages are shared or offered,
+        # whether the row's token history is set (its first piece ran), and the prompt tokens
+        # shared at the first admission (usage's cached_tokens; None until then).
+        from metrale_jax.engine.prefix_cache import root_key
+        self.cache_root = root_key(request.tenant, request.cache_salt)
+        self.page_keys: list[str] = []
+        self.keyed = 0
+        self.seeded = False
+        self.cached_tokens: int | None = None
+
+    def all_ids(self) -> list[int]:
+        """The sequence so far: prompt ids, then the generated ids."""
+        return list(self.request.prompt_ids) + self.token_ids
+
+    def keys_for(self, count: int, page_size: int) -> list[str]:
+        """The content keys of the sequence's first `count` full pages (fewer when it has
+        fewer full pages), computed once each."""
+        from metrale_jax.engine.prefix_cache import page_keys
+        if count > len(self.page_keys):
+            parent = self.page_keys[-1] if self.page_keys else self.cache_root
+            self.page_keys += page_keys(self.all_ids(), page_size, parent,
+                                        first=len(self.page_keys),
+                                        count=count - len(self.page_keys))
+        return self.page_keys[:count]
 
     def slot_settings(self, seed: int, first_mask: np.ndarray | None = None):
         """The engine's per-slot settings for this request (strings resolved to token ids;
@@ -132,4 +157,4 @@ class Sequence:
                 stop_reason = matched
             tail += self.stops.flush()
         self.handle.post(Finished(reason, self.prompt_len, self.num_generated, stop_reason,
-                                  tail))
+                                  tail, self.cached_tokens or 0))

@@ -18,6 +18,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_slots < 0 or args.max_len < 0 or args.max_len == 1:
         raise MetraleError("--max-slots must be ≥ 1 and --max-len ≥ 2 (0: chosen by the "
                            "memory plan)")
+    if not 0.0 <= args.prefix_cache_share <= 1.0:
+        raise MetraleError("--prefix-cache-share must be from 0 to 1")
     pid, processes = init_distributed(args)
     if processes == 1:
         return _serve(args, 0, 1)
@@ -40,7 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
     from serving.http.server import serve
     from serving.http.settings import ServerSettings
-    options = {"logprobs_mode": args.logprobs_mode, **engine_options(args)}
+    options = {"logprobs_mode": args.logprobs_mode, "prefix_cache": args.prefix_cache,
+               "prefix_cache_share": args.prefix_cache_share, **engine_options(args)}
     if args.max_prefill_len is not None:
         options["max_prefill_len"] = args.max_prefill_len
     settings = ServerSettings(
@@ -115,6 +118,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="requests that may wait for a slot; beyond: 503 with Retry-After")
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds in-flight requests get after SIGTERM")
+    srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                     help="prefill every prompt whole (default: full KV pages are cached by "
+                          "content and shared by prompts that start with them)")
+    srv.add_argument("--prefix-cache-share", type=float, default=1.0, metavar="FRACTION",
+                     help="the most of the KV page pool (0 .. 1) that cached pages no request "
+                          "holds may keep (default 1: all of it; they are evicted, least "
+                          "recently used first, whenever requests need pages)")
     add_logprobs_mode_flag(srv)
     _parser_flags(srv)
     add_scale_flags(srv)

@@ -116,6 +116,11 @@ def summary(stats: dict[str, Any], model: TopModel | None = None) -> list[str]:
              f"finished {counters.get('finished', 0)}  tokens {counters.get('tokens', 0)}  "
              f"errors {errors.get('total', 0)}"
              + (f" (loop {counters['loop_errors']})" if counters.get("loop_errors") else "")]
+    cache = stats.get("prefix_cache") or {}
+    if cache.get("enabled"):
+        rate = cache.get("hit_rate")
+        lines.append(f"prefix cache  hit rate {'-' if rate is None else f'{rate:.0%}'}  "
+                     f"pages {cache.get('pages', 0)} ({cache.get('idle_pages', 0)} idle)")
     if model is not None and model.throughput:
         ttft = [v for v in model.ttft_ms if v > 0]
         lines.append(f"now {model.throughput[-1]:.1f} tok/s  peak {max(model.throughput):.1f}"

@@ -30,6 +30,7 @@ from metrale_jax.scheduler import (
 )
 from serving.http.errors import InternalError, RequestTimeoutError, UnavailableError
 from serving.http.metrics import Metrics
+from serving.http.responses import usage
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0
     last_token_at: float | None = None
 
     @property
@@ -65,10 +67,12 @@ class Generation:
         params: the `SamplingParams` of one choice; choice i of a prompt gets `seed + i`.
         timeout: seconds until the request ends with a timeout (None = none).
         request_id: the HTTP request id; engine requests get `<id>-<index>`.
+        tenant, cache_salt: the prefix cache's isolation key (`GenerationRequest`).
     """
 
     def __init__(self, runtime: Any, metrics: Metrics, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams, n: int, timeout: float | None, request_id: str):
+                 params: SamplingParams, n: int, timeout: float | None, request_id: str,
+                 tenant: str | None = None, cache_salt: str | None = None):
         self.runtime = runtime
         self.metrics = metrics
         self.timeout = timeout
@@ -82,7 +86,8 @@ class Generation:
                     sp = dataclasses.replace(params, seed=params.seed + i)
                 index = len(self.requests)
                 self.requests.append(GenerationRequest.make(
-                    ids, sp, timeout=timeout, request_id=f"{request_id}-{index}"))
+                    ids, sp, timeout=timeout, request_id=f"{request_id}-{index}",
+                    tenant=tenant, cache_salt=cache_salt))
                 self.choices.append(ChoiceState(index, p, len(ids)))
         self.handles: list[Any] = []
         self._tasks: list[asyncio.Task] = []
@@ -92,6 +97,19 @@ class Generation:
         """Prompt tokens counted once per prompt (as OpenAI counts them)."""
         seen: dict[int, int] = {c.prompt_index: c.prompt_tokens for c in self.choices}
         return sum(seen.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt as the prompt
+        tokens are (its first choice's: the others share what that one prefilled)."""
+        first: dict[int, int] = {}
+        for c in self.choices:
+            first.setdefault(c.prompt_index, c.cached_tokens)
+        return sum(first.values())
+
+    def usage(self) -> dict[str, Any]:
+        """The OpenAI `usage` object of the request so far."""
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     @property
     def completion_tokens(self) -> int:
@@ -182,6 +200,7 @@ class Generation:
             choice.finish_reason = event.finish_reason
             choice.stop_reason = event.stop_reason
             choice.completion_tokens = event.completion_tokens
+            choice.cached_tokens = event.cached_tokens
             m.request_success.labels(finished_reason=event.finish_reason).inc()
         if isinstance(event, (Finished, Cancelled, TimedOut)):
             m.prompt_tokens.inc(event.prompt_tokens)

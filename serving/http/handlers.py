@@ -24,7 +24,6 @@ from serving.http.responses import (
     chat_message,
     completion_logprobs,
     sse,
-    usage,
 )
 from serving.http.runtime import ModelRuntime
 from serving.http.state import ServerState
@@ -67,7 +66,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         constrained=getattr(params, "constraint", None) is not None)
     params = output.adjust_params(params, rt.tokenizer, req.tools, req.thinking_budget)
     gen = Generation(rt, state.metrics, [prompt], params, req.n,
-                     _timeout(state, req.timeout), request_id)
+                     _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt)
     gen.check()
     gen.submit()
     env = Envelope("chatcmpl", "chat.completion", state.settings.model_name, rt.fingerprint)
@@ -93,7 +92,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
             texts.append(rt.decode(p, skip_special_tokens=False) if req.echo else "")
     params = req.sampling_params(req.max_new_tokens, req.logprobs)
     gen = Generation(rt, state.metrics, prompts, params, req.n,
-                     _timeout(state, req.timeout), request_id)
+                     _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt)
     gen.check("prompt")
     gen.submit()
     env = Envelope("cmpl", "text_completion", state.settings.model_name, rt.fingerprint)
@@ -123,7 +122,7 @@ def chat_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         if prep.token_ids:
             choices[-1]["token_ids"] = list(c.token_ids)
-    body = prep.env.body(choices, usage(gen.prompt_tokens, gen.completion_tokens))
+    body = prep.env.body(choices, gen.usage())
     if prep.token_ids:
         body["prompt_token_ids"] = list(gen.requests[0].prompt_ids)
     return body
@@ -142,7 +141,7 @@ def completion_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
         if prep.token_ids:
             choices[-1]["prompt_token_ids"] = list(gen.requests[c.index].prompt_ids)
             choices[-1]["token_ids"] = list(c.token_ids)
-    return prep.env.body(choices, usage(gen.prompt_tokens, gen.completion_tokens))
+    return prep.env.body(choices, gen.usage())
 
 
 async def _stream(prep: Prepared, first: Callable[[], list[bytes]],
@@ -158,7 +157,7 @@ async def _stream(prep: Prepared, first: Callable[[], list[bytes]],
             if chunk is not None:
                 yield chunk
         if prep.include_usage:
-            yield sse(prep.env.body([], usage(gen.prompt_tokens, gen.completion_tokens),
+            yield sse(prep.env.body([], gen.usage(),
                                     obj=prep.env.object))
         yield DONE
     except MetraleError as e:

@@ -50,7 +50,16 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily(PREFIX + "num_preemptions",
                                   "Sequences preempted (pages freed, recomputed later) when the "
                                   "KV page pool ran dry.", value=stats.get("preempted", 0))
+        yield CounterMetricFamily(PREFIX + "prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache.",
+                                  value=stats.get("prefix_cache_queries", 0))
+        yield CounterMetricFamily(PREFIX + "prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache (not prefilled).",
+                                  value=stats.get("prefix_cache_hits", 0))
         pages = getattr(scheduler.engine, "pages", None) if scheduler is not None else None
+        cache = getattr(pages, "cache", None)
+        yield gauge("prefix_cache_pages", "KV pages in the prefix cache (shared or idle).",
+                    len(cache) if cache is not None else 0)
         usage = 0.0 if pages is None else 1 - pages.free_pages / pages.usable_pages
         yield gauge("kv_cache_usage_perc", "Fraction of the KV page pool held by sequences.",
                     usage)

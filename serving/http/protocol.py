@@ -84,6 +84,9 @@ class _Sampling(_Body):
     choice: list[str] | None = None
     grammar: str | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None
+    # vLLM's: a secret that keeps this request's prefix-cache pages apart from requests
+    # without the same salt (one caller cannot learn another's prompts from timing).
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -4,7 +4,10 @@
      "slots": {"total", "used", "running": [{"slot", "request_id", "prompt_tokens", "tokens",
                                              "running_s", "tokens_per_s"}]},
      "waiting", "requests_active", "compiles",
-     "counters": {"admitted", "finished", "steps", "tokens", "loop_errors", "preempted"},
+     "counters": {"admitted", "finished", "steps", "tokens", "loop_errors", "preempted",
+                  "prefix_cache_queries", "prefix_cache_hits"},
+     "prefix_cache": {"enabled", "hit_rate" (hit / queried prompt tokens; None before any),
+                      "pages" (cached pages), "idle_pages" (cached, held by no request)},
      "errors": {"total", "by_status": {"400": n, ...},
                 "recent": [{"time", "status", "type", "message", "request_id"}]}}
 
@@ -21,7 +24,8 @@ import time
 from typing import Any
 
 RECENT_ERRORS = 20
-COUNTERS = ("admitted", "finished", "steps", "tokens", "loop_errors", "preempted")
+COUNTERS = ("admitted", "finished", "steps", "tokens", "loop_errors", "preempted",
+            "prefix_cache_queries", "prefix_cache_hits")
 
 
 class ErrorLog:
@@ -75,6 +79,13 @@ def stats_body(state: Any) -> dict[str, Any]:
         slots, waiting, counters, compiles = [], 0, {}, 0
     running = _running(slots)
     status = "draining" if state.draining else rt.state
+    pages = getattr(scheduler.engine, "pages", None) if scheduler is not None else None
+    cache = getattr(pages, "cache", None)
+    queried = int(counters.get("prefix_cache_queries", 0))
+    prefix_cache = {"enabled": cache is not None,
+                    "hit_rate": counters.get("prefix_cache_hits", 0) / queried if queried else None,
+                    "pages": len(cache) if cache is not None else 0,
+                    "idle_pages": pages.idle_pages if cache is not None else 0}
     return {
         "model": state.settings.model_name,
         "state": status,
@@ -86,5 +97,6 @@ def stats_body(state: Any) -> dict[str, Any]:
         "requests_active": state.active,
         "compiles": compiles,
         "counters": {k: int(counters.get(k, 0)) for k in COUNTERS},
+        "prefix_cache": prefix_cache,
         "errors": state.errors.to_dict(),
     }

@@ -28,8 +28,9 @@ SCALE = D**-0.5
 
 rpa = jax.jit(ragged_paged_attention, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "mask_value", "num_decode", "block_pages",
-    "q_block"))
-SMALL = {"block_pages": 1, "q_block": 4}  # loops of several blocks at these tiny sizes
+    "q_block", "ctx_q_block"))
+# Loops of several blocks at these tiny sizes; pieces cut into several context items.
+SMALL = {"block_pages": 1, "q_block": 4, "ctx_q_block": 2}
 
 
 def make_batch(seed: int, decode_lens: list[int], prefill: list[tuple[int, int]], T: int):
@@ -61,8 +62,8 @@ def check(args, num_decode: int, **kw):
     """Our output against the reference's on the valid tokens; all tokens finite."""
     q, pages, kv_lens, table, cu, num_seqs = args
     out = np.asarray(rpa(*args, sm_scale=SCALE, num_decode=num_decode, **kw))
-    kw.pop("block_pages", None)
-    kw.pop("q_block", None)
+    for name in ("block_pages", "q_block", "ctx_q_block"):
+        kw.pop(name, None)
     ref = np.asarray(ref_ragged_paged_attention(
         q, pages, kv_lens, table, cu, num_seqs, sm_scale=SCALE, **kw))
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -75,19 +76,24 @@ def check(args, num_decode: int, **kw):
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("seed", range(4))
 def test_mixed_batch_matches_reference(seed, sliding_window, soft_cap, blocks):
+    # Several prefill sequences with context at once (at least two), anywhere in the chunk;
+    # odd seeds have no decode rows.
     rng = np.random.default_rng(100 + seed)
-    decode_lens = [int(x) for x in rng.integers(1, MAX_LEN + 1, rng.integers(1, 4))]
-    q_ctx = int(rng.integers(1, 7))
-    prefill = [(q_ctx, int(rng.integers(1, MAX_LEN - q_ctx + 1)))]
-    prefill += [(int(rng.integers(1, 7)), 0) for _ in range(rng.integers(1, 3))]
+    n_dec = 0 if seed % 2 else int(rng.integers(1, 4))
+    decode_lens = [int(x) for x in rng.integers(1, MAX_LEN + 1, n_dec)]
+    prefill = []
+    for j in range(int(rng.integers(2, S - n_dec + 1))):
+        q_len = int(rng.integers(1, 7))
+        ctx = int(rng.integers(1, MAX_LEN - q_len + 1)) if j < 2 or rng.random() < 0.5 else 0
+        prefill.append((q_len, ctx))
     prefill = [prefill[i] for i in rng.permutation(len(prefill))]  # context anywhere
-    args = make_batch(seed, decode_lens, prefill, T=32)
-    check(args, len(decode_lens), sliding_window=sliding_window, soft_cap=soft_cap, **blocks)
+    args = make_batch(seed, decode_lens, prefill, T=48)
+    check(args, n_dec, sliding_window=sliding_window, soft_cap=soft_cap, **blocks)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 3])
 def test_prefill_only(sliding_window):
-    args = make_batch(7, [], [(5, 0), (6, 13), (3, 0)], T=16)
+    args = make_batch(7, [], [(5, 0), (6, 13), (3, 0), (1, 20)], T=16)
     check(args, 0, sliding_window=sliding_window, **SMALL)
 
 
@@ -140,32 +146,99 @@ def test_decode_same_for_every_block_size_and_alone(window):
     np.testing.assert_array_equal(alone, outs[0][:2])
 
 
-def test_chunk_padding_finite_and_block_size_invariant():
-    rng = np.random.default_rng(13)
-    C = 8
+def chunk_reference(q, k, v, tok_seq, tok_pos, pages, table, *, window=None, soft_cap=None):
+    """chunk_attention's contract, densely in numpy (float64): each real token against its
+    own piece's chunk tokens and its row's context `0 .. p0 - 1` from the pages."""
+    q, k, v, pages, table = (np.asarray(x, np.float64) if i < 4 else np.asarray(x)
+                             for i, x in enumerate((q, k, v, pages, table)))
+    tok_seq, tok_pos = np.asarray(tok_seq), np.asarray(tok_pos)
+    out = np.zeros(q.shape)
+    for t in np.flatnonzero(tok_seq >= 0):
+        row, p = tok_seq[t], tok_pos[t]
+        first = t
+        while first > 0 and tok_seq[first - 1] == row and tok_pos[first - 1] == tok_pos[first] - 1:
+            first -= 1
+        ctx = np.arange(tok_pos[first])
+        cache = pages[table[row, ctx // PS], ctx % PS]  # [ctx, 2K, D]
+        own = (tok_seq == row) & (tok_pos <= p)
+        keys = np.concatenate([cache[:, 0::2], k[own]])  # [L, K, D]
+        vals = np.concatenate([cache[:, 1::2], v[own]])
+        kpos = np.concatenate([ctx, tok_pos[own]])
+        vis = p - kpos < (window or 2**30)
+        for h in range(H):
+            s = keys[vis, h // G] @ q[t, h] * SCALE
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            w = np.exp(s - s.max())
+            out[t, h] = w @ vals[vis, h // G] / w.sum()
+    return out
+
+
+def _chunk_inputs(seed: int, C: int):
+    rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((C, H, D)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((C, K, D)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((C, K, D)), jnp.float32)
     pages = jnp.asarray(rng.standard_normal((N, PS, 2 * K, D)), jnp.float32)
-    ctx_table = jnp.asarray(rng.permutation(np.arange(1, N))[:PPS], jnp.int32)
-    # Sequence 3 at positions 6..9 after 6 context positions, sequence 5 fresh, two padding.
+    table = jnp.asarray(rng.permutation(np.arange(1, N)).reshape(S, PPS), jnp.int32)
+    return q, k, v, pages, table
+
+
+chunk = jax.jit(chunk_attention, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "q_block", "ctx_q_block", "ctx_block_pages"))
+
+
+def test_chunk_padding_finite_and_block_size_invariant():
+    C = 8
+    q, k, v, pages, table = _chunk_inputs(13, C)
+    # Row 3 at positions 6..9 after 6 context positions, row 5 at 4..5 after 4, two padding.
     tok_seq = jnp.asarray([3, 3, 3, 3, 5, 5, -1, -1], jnp.int32)
-    tok_pos = jnp.asarray([6, 7, 8, 9, 0, 1, 0, 0], jnp.int32)
-    f = jax.jit(functools.partial(chunk_attention, sm_scale=SCALE, sliding_window=None,
-                                  soft_cap=1.5), static_argnames=("q_block", "ctx_block_pages"))
-    outs = [np.asarray(f(q, k, v, tok_seq, tok_pos, pages, ctx_table, jnp.int32(3), jnp.int32(6),
-                         q_block=qb, ctx_block_pages=bp))
-            for qb, bp in ((8, 8), (2, 1), (3, 2), (128, None))]
+    tok_pos = jnp.asarray([6, 7, 8, 9, 4, 5, 0, 0], jnp.int32)
+    opts = dict(sm_scale=SCALE, sliding_window=None, soft_cap=1.5)
+    outs = [np.asarray(chunk(q, k, v, tok_seq, tok_pos, pages, table, q_block=qb,
+                             ctx_q_block=cqb, ctx_block_pages=bp, **opts))
+            for qb, cqb, bp in ((8, 8, 8), (2, 1, 1), (3, 3, 2), (128, 64, None))]
     for out in outs:
         assert np.isfinite(out).all()
         np.testing.assert_allclose(out, outs[0], rtol=1e-6, atol=1e-6)
-    # Without context (ctx_len 0, or ctx_seq -1) sequence 5 is unchanged, 3 is not.
-    for seq, length in ((jnp.int32(3), 0), (jnp.int32(-1), 6)):
-        none = np.asarray(f(q, k, v, tok_seq, tok_pos, pages, ctx_table, seq, jnp.int32(length),
-                            q_block=2, ctx_block_pages=1))
-        assert np.isfinite(none).all()
-        np.testing.assert_allclose(none[4:6], outs[0][4:6], rtol=1e-6, atol=1e-6)
-        assert not np.allclose(none[:4], outs[0][:4])
+    ref = chunk_reference(q, k, v, tok_seq, tok_pos, pages, table, soft_cap=1.5)
+    np.testing.assert_allclose(outs[0][:6], ref[:6], rtol=1e-5, atol=1e-5)
+    # Row 3 starting at position 0 (no context): row 5 is unchanged, row 3 is not.
+    fresh = tok_pos.at[:4].set(jnp.arange(4))
+    none = np.asarray(chunk(q, k, v, tok_seq, fresh, pages, table, q_block=2, ctx_q_block=1,
+                            ctx_block_pages=1, **opts))
+    assert np.isfinite(none).all()
+    np.testing.assert_allclose(none[4:6], outs[0][4:6], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(none[:4], outs[0][:4])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_chunk_piece_same_alone_and_beside_pieces_with_context(window):
+    # Pieces (row, first position, length), rows in any order, three with context; padding.
+    pieces = [(2, 10, 7), (0, 3, 6), (5, 0, 5), (1, 20, 3), (6, 1, 1)]
+    C = 26
+    q, k, v, pages, table = _chunk_inputs(15, C)
+    rows = np.concatenate([[r] * n for r, _, n in pieces] + [[-1] * 4]).astype(np.int32)
+    pos = np.concatenate([np.arange(p, p + n) for _, p, n in pieces] + [[0] * 4]).astype(np.int32)
+    opts = dict(sm_scale=SCALE, sliding_window=window, soft_cap=None)
+    ref = chunk_reference(q, k, v, rows, pos, pages, table, window=window)
+    for qb, cqb, bp in ((128, 64, None), (4, 2, 1), (5, 3, 2), (8, 16, 3)):
+        f = functools.partial(chunk, q_block=qb, ctx_q_block=cqb, ctx_block_pages=bp, **opts)
+        full = np.asarray(f(q, k, v, jnp.asarray(rows), jnp.asarray(pos), pages, table))
+        assert np.isfinite(full).all()
+        np.testing.assert_allclose(full[:-4], ref[:-4], rtol=1e-5, atol=1e-5)
+        at = 0
+        for r, p, n in pieces:
+            # The piece alone, moved to the chunk's start, the rest padding (same C: no
+            # recompile for another layout).
+            sel = np.arange(at, at + n)
+            perm = np.concatenate([sel, np.setdiff1d(np.arange(C), sel)])
+            alone_rows = np.where(np.arange(C) < n, r, -1).astype(np.int32)
+            alone_pos = np.where(np.arange(C) < n, np.arange(p, p + C), 0).astype(np.int32)
+            alone = np.asarray(f(q[perm], k[perm], v[perm], jnp.asarray(alone_rows),
+                                 jnp.asarray(alone_pos), pages, table))
+            np.testing.assert_allclose(alone[:n], full[sel], rtol=1e-6, atol=1e-6)
+            at += n
 
 
 def test_write_kv_round_trip_and_null_page():
@@ -237,8 +310,8 @@ def test_a_steps_kernel_layout_gives_the_reference_what_the_xla_tiers_compute(de
     opts = dict(sm_scale=SCALE, sliding_window=sliding_window, soft_cap=None)
 
     ours = [np.asarray(chunk_attention(q[n:], k, v, jnp.asarray(chunk_rows),
-                                       jnp.asarray(chunk_pos), pool, jnp.asarray(table[4]),
-                                       jnp.int32(4), jnp.int32(9), **opts))]
+                                       jnp.asarray(chunk_pos), pool, jnp.asarray(table),
+                                       **opts))]
     if n:
         ours.insert(0, np.asarray(decode_attention(q[:n], pool, jnp.asarray(table[:n]),
                                                    jnp.asarray(dec_lens), **opts)))

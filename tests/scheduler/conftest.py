@@ -19,3 +19,15 @@ def tiny_llm(tiny_folder):
     _ = llm.scheduler  # compile once for the session
     yield llm
     llm.close()
+
+
+@pytest.fixture(scope="session")
+def small_pool_llm(tiny_folder):
+    """The tiny model with a pool of 7 usable pages of 16 positions (112 tokens, less than
+    max_len): too few for four sequences of 45-90 tokens at once."""
+    from metrale_jax import LLM
+    llm = LLM(tiny_folder, max_slots=4, max_len=128, max_prefill_len=32, max_prefill_batch=2,
+              num_pages=8)
+    _ = llm.scheduler
+    yield llm
+    llm.close()

@@ -17,18 +17,6 @@ PARAMS = [SamplingParams(max_tokens=40, temperature=0.0 if j % 2 == 0 else 0.9, 
 PROMPTS = [[(13 * i + 7 * j) % 1000 for i in range(5 + 9 * j)] for j in range(6)]
 
 
-@pytest.fixture(scope="module")
-def small_pool_llm(tiny_folder):
-    """The tiny model with a pool of 7 usable pages of 16 positions (112 tokens, less than
-    max_len): too few for four sequences of 45-90 tokens at once."""
-    from metrale_jax import LLM
-    llm = LLM(tiny_folder, max_slots=4, max_len=128, max_prefill_len=32, max_prefill_batch=2,
-              num_pages=8)
-    _ = llm.scheduler
-    yield llm
-    llm.close()
-
-
 def _all_pages_back(scheduler) -> None:
     pages = scheduler.engine.pages
     pages.check()
@@ -121,15 +109,17 @@ def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
     # than the smallest bucket is padded.
     buckets = engine.config.chunk_buckets
     assert all(c[1] in buckets or c[1] < buckets[0] for c in with_prompt), (buckets, calls)
-    # A later piece shrinks as the context before it grows (engine/step_cost.py), and here
-    # the limit binds: some piece starts where less than the largest bucket is allowed.
-    limit = engine.step_cost.chunk_limit
+    # A later piece shrinks as the context before it grows (engine/step_cost.py): its cost
+    # stays within the step's budget, and here the limit binds: some piece starts where
+    # less than the largest bucket is allowed.
+    cost = engine.step_cost
     later = [(start, size) for step in steps for start, size, _ in step if start]
-    assert all(size <= limit(start) for start, size in later), steps
-    assert any(limit(start) < buckets[-1] for start, _ in later), steps
-    # The short prompt fills what a limited piece leaves: a step with a continuing piece
-    # that does not finish carries another prompt's piece too.
-    assert any(len(step) >= 2 and step[0][0] > 0 and not step[0][2] for step in steps), steps
+    assert all(cost.piece_flops(size, start) <= cost.budget for start, size in later), steps
+    assert any(cost.chunk_limit(start) < buckets[-1] for start, _ in later), steps
+    # The short prompt fills what a limited later piece leaves: a step with a continuing
+    # piece carries another prompt's piece too.
+    assert any(len(step) >= 2 and step[0][0] > 0 and step[0][1] < buckets[-1]
+               for step in steps), steps
     alone = tiny_llm.generate([long_ids, short_ids], sp)
     assert [t for e in long_tokens for t in e.token_ids] == list(alone[0].token_ids)
     assert [t for e in short_tokens for t in e.token_ids] == list(alone[1].token_ids)

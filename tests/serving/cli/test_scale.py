@@ -74,3 +74,11 @@ def test_sharded_orbax_generate_matches_one_device(tiny, tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     assert "orbax, sharded" in two.stderr and "mesh data=1,model=2" in two.stderr
     assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize("share", ["1.5", "-0.1"])
+def test_serve_refuses_a_prefix_cache_share_outside_0_to_1(share, tiny):
+    r = metrale("serve", "--model", str(tiny), "--port", "0", "--prefix-cache-share", share)
+    assert r.returncode == 2, r.stderr
+    assert "--prefix-cache-share must be from 0 to 1" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -17,7 +17,7 @@ from serving.http import handlers
 from serving.http.chat_output import ChatOutput
 from serving.http.generation import ChoiceState
 from serving.http.reasoning import ReasoningParser
-from serving.http.responses import Envelope
+from serving.http.responses import Envelope, usage
 from serving.http.tools.parsers import HermesParser
 from serving.http.tools.request import ToolChoice
 
@@ -47,6 +47,9 @@ class ScriptedGeneration:
     @property
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, self.completion_tokens)
 
     async def events(self):
         for c, pieces in zip(self.choices, self.outputs, strict=True):
