@@ -201,6 +201,14 @@ def test_two_processes_serve_like_one_and_fail_cleanly_when_one_dies(model, refe
         choice = body["choices"][0]
         assert body["choices"][0]["prompt_token_ids"] == reference["prompt_ids"]
         assert choice["token_ids"] == reference["token_ids"]
+        # The prompt and answer's first page is cached now: a prompt that starts with them
+        # shares it on both processes (the follower repeats the leader's page calls, or the
+        # heads on its devices would read another page) and continues the same way.
+        longer = reference["prompt_ids"] + reference["token_ids"][:15]
+        status, body = _completion(leader, model, max_tokens=1, prompt=longer)
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+        assert body["choices"][0]["token_ids"] == reference["token_ids"][15:16]
         # the follower: /health only
         assert _status(follower, "/health") == 200
         assert _status(follower, "/v1/models") == 404
