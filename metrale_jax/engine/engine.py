@@ -288,7 +288,8 @@ class Engine:
         """Row `slot` shares the longest run of cached pages with `keys` (the content keys of
         its next full pages, from its first page not yet held; the row holds full pages
         only). At most `budget` of them may be idle pages (each one taken from the pool).
-        Returns the pages attached (0 without a prefix cache)."""
+        A prefix shorter than `config.prefix_cache_min_tokens` in all is not shared. Returns
+        the pages attached (0 without a prefix cache)."""
         cache = self.pages.cache
         if cache is None or not keys:
             return 0
@@ -299,6 +300,9 @@ class Engine:
                     hits = hits[:i]
                     break
                 budget -= 1
+        ps = self.config.page_size
+        if (int(self.pages.owned[slot]) + len(hits)) * ps < self.config.prefix_cache_min_tokens:
+            return 0
         self.pages.attach(slot, hits)
         return len(hits)
 

@@ -20,6 +20,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            "memory plan)")
     if not 0.0 <= args.prefix_cache_share <= 1.0:
         raise MetraleError("--prefix-cache-share must be from 0 to 1")
+    if args.prefix_cache_min_tokens < 0:
+        raise MetraleError("--prefix-cache-min-tokens must be >= 0")
     pid, processes = init_distributed(args)
     if processes == 1:
         return _serve(args, 0, 1)
@@ -43,7 +45,8 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
     from serving.http.server import serve
     from serving.http.settings import ServerSettings
     options = {"logprobs_mode": args.logprobs_mode, "prefix_cache": args.prefix_cache,
-               "prefix_cache_share": args.prefix_cache_share, **engine_options(args)}
+               "prefix_cache_share": args.prefix_cache_share,
+               "prefix_cache_min_tokens": args.prefix_cache_min_tokens, **engine_options(args)}
     if args.max_prefill_len is not None:
         options["max_prefill_len"] = args.max_prefill_len
     settings = ServerSettings(
@@ -125,6 +128,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="the most of the KV page pool (0 .. 1) that cached pages no request "
                           "holds may keep (default 1: all of it; they are evicted, least "
                           "recently used first, whenever requests need pages)")
+    srv.add_argument("--prefix-cache-min-tokens", type=int, default=64, metavar="N",
+                     help="the shortest shared prefix read from the cache (default 64: off "
+                          "TPU a shorter one costs more to read than to prefill)")
     add_logprobs_mode_flag(srv)
     _parser_flags(srv)
     add_scale_flags(srv)

@@ -19,6 +19,7 @@ from metrale_jax import SamplingParams
 from metrale_jax.scheduler import Cancelled, Finished, GenerationRequest, TimedOut, Token
 
 PS = 16  # the engine's default page size
+MIN = 64  # the engine's default prefix_cache_min_tokens
 _cold = itertools.count()
 
 
@@ -82,8 +83,8 @@ def _books_balance(scheduler) -> None:
 
 
 # Prompt lengths at the page edges: k pages, one short, one over; a prompt cached but for its
-# last token (3 pages + 1); shorter than a page.
-@pytest.mark.parametrize("length", [32, 31, 33, 48, 49, 17, 10])
+# last token (6 pages + 1); the shortest that shares (4 pages + 1).
+@pytest.mark.parametrize("length", [80, 79, 81, 97, 65])
 def test_a_reused_prefix_gives_the_cold_prefills_output(tiny_llm, length):
     prompt = _prompt(1000 + length, length)
     reference = cold(tiny_llm, prompt, GREEDY)
@@ -107,6 +108,16 @@ PENALTIES = SamplingParams(max_tokens=24, temperature=0.9, seed=11, repetition_p
                            logprobs=2)
 
 
+@pytest.mark.parametrize("length", [64, 49, 17, 10])
+def test_a_prefix_shorter_than_the_minimum_is_prefilled(tiny_llm, length):
+    prompt = _prompt(1500 + length, length)
+    run(tiny_llm, prompt, GREEDY)
+    assert (length - 1) // PS * PS < MIN
+    again = run(tiny_llm, prompt, GREEDY)
+    assert again.cached == 0
+    same(again, cold(tiny_llm, prompt, GREEDY))
+
+
 def test_seeded_sampling_with_penalties_is_the_same_with_a_hit(tiny_llm):
     # The prompt repeats a few tokens, so the penalties (which read the prompt's tokens) shape
     # what is sampled: a hit must give the row the shared prefix's token history too.
@@ -119,24 +130,24 @@ def test_seeded_sampling_with_penalties_is_the_same_with_a_hit(tiny_llm):
 
 
 def test_batch_invariance_holds_with_hits(tiny_llm):
-    base = _prompt(3000, 40)
-    run(tiny_llm, base, GREEDY)  # 2 pages cached
+    base = _prompt(3000, 70)
+    run(tiny_llm, base, GREEDY)  # 4 pages cached
     params = [GREEDY, dataclasses.replace(PENALTIES, max_tokens=8),
               SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=3, top_k=50),
               GREEDY]
-    prompts = [base + _prompt(3001 + i, 3 + 7 * i) for i in range(4)]
+    prompts = [base[:64] + _prompt(3001 + i, 3 + 7 * i) for i in range(4)]
     alone = [run(tiny_llm, p, sp) for p, sp in zip(prompts, params, strict=True)]
     handles = [submit(tiny_llm, p, sp) for p, sp in zip(prompts, params, strict=True)]
     together = [collect(h) for h in handles]
     for prompt, a, t in zip(prompts, alone, together, strict=True):
         # Alone, a prompt finds the base's pages; together, also its own from its alone run.
-        assert a.cached == 32 and t.cached == (len(prompt) - 1) // PS * PS
+        assert a.cached == 64 and t.cached == (len(prompt) - 1) // PS * PS
         same(a, t)
 
 
 def test_tenants_and_salts_never_share(tiny_llm):
     stats = tiny_llm.scheduler.stats
-    prompt = _prompt(4000, 50)
+    prompt = _prompt(4000, 70)
     assert run(tiny_llm, prompt, GREEDY, tenant="a").cached == 0
     hits = stats["prefix_cache_hits"]
     queries = stats["prefix_cache_queries"]
@@ -145,10 +156,10 @@ def test_tenants_and_salts_never_share(tiny_llm):
     assert stats["prefix_cache_hits"] == hits  # nothing found
     assert stats["prefix_cache_queries"] == queries + 2 * len(prompt)
     assert run(tiny_llm, prompt, GREEDY, tenant="a", salt="x").cached == 0
-    assert run(tiny_llm, prompt, GREEDY, tenant="a").cached == 48
-    assert run(tiny_llm, prompt, GREEDY, tenant="a", salt="x").cached == 48
+    assert run(tiny_llm, prompt, GREEDY, tenant="a").cached == 64
+    assert run(tiny_llm, prompt, GREEDY, tenant="a", salt="x").cached == 64
     assert run(tiny_llm, prompt, GREEDY, tenant="a", salt="y").cached == 0
-    assert stats["prefix_cache_hits"] == hits + 96
+    assert stats["prefix_cache_hits"] == hits + 128
 
 
 def test_the_choices_of_a_prompt_prefill_it_once(tiny_llm):
@@ -167,12 +178,14 @@ def test_the_choices_of_a_prompt_prefill_it_once(tiny_llm):
 
 def test_generated_pages_are_cached_for_the_next_turn(tiny_llm):
     prompt = _prompt(6000, 20)
-    first = run(tiny_llm, prompt, dataclasses.replace(GREEDY, max_tokens=40))
+    first = run(tiny_llm, prompt, dataclasses.replace(GREEDY, max_tokens=60))
     # The next turn's prompt is this one plus the answer plus more: it finds the pages the
     # answer's decoding filled, not only the prompt's.
     turn = prompt + first.tokens + _prompt(6001, 9)
     hit = run(tiny_llm, turn, GREEDY)
-    assert hit.cached == (len(prompt) + len(first.tokens) - 1) // PS * PS
+    # (The answer's last token is in the pages too when the loop, one step ahead, fed it.)
+    assert hit.cached % PS == 0 and hit.cached >= (len(prompt) + len(first.tokens) - 1) // PS * PS
+    assert hit.cached <= len(prompt) + len(first.tokens)
     same(hit, cold(tiny_llm, turn, GREEDY))
 
 

@@ -29,7 +29,8 @@ import pytest
 from tests.conftest import CACHE, REPO, xla_flags
 from tests.serving.conftest import post
 
-SHAPES = ["--max-slots", "2", "--max-len", "256", "--max-prefill-len", "16"]
+SHAPES = ["--max-slots", "2", "--max-len", "256", "--max-prefill-len", "16",
+          "--prefix-cache-min-tokens", "0"]
 PROMPT = "The quick brown fox"
 EXIT_TIMEOUT_S = 90  # a process with a lost peer must be gone within this
 EXIT_PEER_LOST = 3  # metrale_jax.scheduler.multihost.EXIT_PEER_LOST
