@@ -59,6 +59,9 @@ class LLM:
             default, False, suits one-shot runs: each program compiles on its first use, so
             a first `generate` compiles only the shapes it needs. Either way the grid is
             fixed, so no request compiles anything outside it.
+        loras: LoRA adapters to serve, {name: PEFT adapter folder}; a request picks one with
+            `SamplingParams(lora=name)`. Read and checked here (a `LoraError` names what does
+            not fit); the engine gets max(4, len(loras)) adapter slots unless `max_loras` says.
         Further keyword arguments go to `EngineConfig`.
 
     The mesh and memory plan are decided while the checkpoint loads, before any weight is
@@ -69,9 +72,12 @@ class LLM:
     def __init__(self, model: str | Path = "default", *, dtype: str | None = None,
                  max_slots: int | None = 8, max_len: int | None = 2048,
                  mesh: str | tuple[int, int] | None = None, memory_gb: float | None = None,
-                 warmup: bool = False, **engine_options: Any):
+                 warmup: bool = False, loras: dict[str, str | Path] | None = None,
+                 **engine_options: Any):
         from metrale_jax.engine.config import EngineConfig
         from metrale_jax.engine.placement import PlacementHook
+        if loras:
+            engine_options.setdefault("max_loras", max(4, len(loras)))
         self._placement = PlacementHook(EngineConfig(
             max_slots=max_slots, max_len=max_len, mesh=mesh, memory_gb=memory_gb,
             **engine_options))
@@ -79,6 +85,12 @@ class LLM:
         self._template = None
         self._scheduler = None
         self._warmup = warmup
+        self.loras = {}
+        if loras:
+            from metrale_jax.weights.lora import load_peft_adapter
+            rank = self._placement.config.max_lora_rank
+            self.loras = {name: load_peft_adapter(path, self.checkpoint.config, name, rank)
+                          for name, path in loras.items()}
 
     @property
     def scheduler(self):
@@ -91,7 +103,7 @@ class LLM:
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                             placement=self._placement.placement)
             scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
-                                  warmup=self._warmup)
+                                  warmup=self._warmup, loras=self.loras)
             if not scheduler.wait_ready():
                 raise scheduler.startup_error
             self._scheduler = scheduler

@@ -69,6 +69,9 @@ class EngineConfig:
         context reads it in a loop of its own, whose fixed cost outweighs a few pages saved:
         sharing only a chat template's first page (16 tokens) made a server with no reuse 8%
         slower (bench/prefix_cache.py); 64 (4 pages) keeps that off and every real reuse on.
+    max_loras: N, LoRA adapter slots on the device (0: an engine without adapters: its
+        programs have no LoRA products at all); max_lora_rank: R, the largest rank a slot
+        holds (smaller ranks are zero-padded).
     """
 
     max_slots: int | None = 8
@@ -90,6 +93,8 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_share: float = 1.0
     prefix_cache_min_tokens: int = 64
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -122,6 +127,10 @@ class EngineConfig:
                 or isinstance(self.prefix_cache_min_tokens, bool)
                 or self.prefix_cache_min_tokens < 0):
             raise bad("prefix_cache_min_tokens", "must be an integer >= 0")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(name, "must be an integer >= 0")
         if self.page_size is None:
             object.__setattr__(self, "page_size", DEFAULT_PAGE_SIZE)
         if (not isinstance(self.page_size, int) or isinstance(self.page_size, bool)

@@ -155,6 +155,21 @@ class Engine:
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
             jax.eval_shape(self._jit_init), ss)
         self._params_spec = abstract_params(self.params, self.mesh)
+        # LoRA adapter slots (models/lora.py): per layer, per projection (a [N, in, R],
+        # b [N, R, out]), replicated; each row's slot (-1 = none) is host data.
+        self.lora = None
+        self.lora_rows = np.full(B, -1, np.int32)
+        if cfg.max_loras:
+            from metrale_jax.models.lora import MODULES
+            from metrale_jax.weights.lora import module_shape
+            N, R = cfg.max_loras, cfg.max_lora_rank
+            rep = self.shardings.replicated
+            self.lora = tuple(
+                {m: (jax.device_put(np.zeros((N, module_shape(model_config, m)[0], R),
+                                             dtype), rep),
+                     jax.device_put(np.zeros((N, R, module_shape(model_config, m)[1]),
+                                             dtype), rep))
+                 for m in MODULES} for _ in range(model_config.num_layers))
 
     # ---- compiled programs -------------------------------------------------------------
     def _executable(self, key: tuple, fn, *specs):
@@ -204,6 +219,46 @@ class Engine:
                                 _spec((self.config.max_len,), i32), _spec((), i32),
                                 _spec((), i32))
 
+    def _lora_set_exe(self):
+        """The program that writes one adapter slot's weights (state of the slots donated)."""
+        def put(lora, slot, weights):
+            return jax.tree.map(lambda s, w: s.at[slot].set(w), lora, weights)
+        slot_spec = jax.tree.map(lambda x: _spec(x.shape[1:], x.dtype), self.lora)
+        fn = jax.jit(put, donate_argnums=(0,), out_shardings=self.shardings.replicated)
+        return self._executable(("lora_set",), fn, _abstract(self.lora), _spec((), jnp.int32),
+                                slot_spec)
+
+    def set_lora(self, slot: int, adapter: Any | None) -> None:
+        """Loads `adapter` (a `weights.lora.LoraAdapter`) into LoRA slot `slot`, or clears the
+        slot (None). Its rank must be at most `max_lora_rank`; its scale is folded into b.
+        Rows already using the slot see the new weights from the next step."""
+        cfg = self.config
+        if self.lora is None:
+            raise InvalidParameterError("this engine has no LoRA slots (max_loras=0)",
+                                        param="lora")
+        if not 0 <= slot < cfg.max_loras:
+            raise InvalidParameterError(f"LoRA slot {slot} is not in [0, {cfg.max_loras})",
+                                        param="lora")
+        R = cfg.max_lora_rank
+        if adapter is not None and adapter.rank > R:
+            raise InvalidParameterError(f"adapter rank {adapter.rank} exceeds max_lora_rank {R}",
+                                        param="lora")
+        dtype = jnp.dtype(cfg.dtype)
+        weights = []
+        for layer, slots in enumerate(self.lora):
+            one = {}
+            for m, (a, b) in slots.items():
+                wa = np.zeros(a.shape[1:], dtype)
+                wb = np.zeros(b.shape[1:], dtype)
+                if adapter is not None and m in adapter.weights:
+                    A, Bm = adapter.weights[m]
+                    r = adapter.rank
+                    wa[:, :r] = A[layer]
+                    wb[:r] = Bm[layer] * adapter.scale
+                one[m] = (wa, wb)
+            weights.append(one)
+        self.lora = self._lora_set_exe()(self.lora, np.int32(slot), tuple(weights))
+
     def _shape(self, n: int, chunk: int, k: int) -> steps.StepShape:
         return steps.StepShape(n, chunk, self.config.max_prefill_batch if chunk else 0, k)
 
@@ -221,9 +276,12 @@ class Engine:
                 _spec((chunk,), i32), _spec((chunk,), i32), _spec((chunk,), i32),
                 _spec((chunk,), jnp.bool_), _spec((R,), i32), _spec((R,), i32),
                 _spec((R,), i32), self._sampling_spec(R), self._mask_spec(R))
+        lora_spec = rows_spec = None
+        if self.lora is not None:
+            lora_spec, rows_spec = _abstract(self.lora), _spec((B,), i32)
         return self._executable(("step", n, chunk, k), fn, self._params_spec, self._state_spec,
                                 _spec((B, cfg.pages_per_seq), i32), _spec((B,), jnp.bool_),
-                                self._mask_spec(B), chunk_spec)
+                                self._mask_spec(B), chunk_spec, lora_spec, rows_spec)
 
     def program_grid(self) -> list[tuple[int, int, int]]:
         """The (n, chunk, k) shapes warmup compiles: decode-only steps for every active-slot
@@ -258,6 +316,7 @@ class Engine:
         """An empty `DecodeState` (all rows idle, greedy); every page back in the pool."""
         self.pages.release_all()
         self.lengths[:] = 0
+        self.lora_rows[:] = -1
         return self._init_exe()()
 
     def _allowed(self, rows: int, allowed: np.ndarray | None):
@@ -283,6 +342,7 @@ class Engine:
         """Returns row `slot`'s pages to the pool (its request ended or was preempted)."""
         self.pages.release(slot)
         self.lengths[slot] = 0
+        self.lora_rows[slot] = -1
 
     def reuse_prefix(self, slot: int, keys: Sequence[str], budget: int) -> int:
         """Row `slot` shares the longest run of cached pages with `keys` (the content keys of
@@ -360,7 +420,7 @@ class Engine:
             n = cfg.rows_for(top)
             out = self._step_exe(n, 0, cfg.decode_steps)(
                 self.params, state, self.pages.table.copy(), active, self._allowed(B, allowed),
-                None)
+                None, *self._lora_args())
             self.lengths[used] = np.minimum(self.lengths[used] + cfg.decode_steps,
                                             self.pages.pages_per_seq * cfg.page_size)
             return out
@@ -372,13 +432,22 @@ class Engine:
         C = int(chunk.tokens.shape[0])
         # A copy of the table: on CPU a queued step may read its NumPy inputs in place, and
         # the table changes before the next step.
+        for p in pieces:
+            self.lora_rows[p.slot] = p.lora
         state, out = self._step_exe(n, C, 1)(self.params, state, self.pages.table.copy(),
-                                             active, self._allowed(B, allowed), chunk)
+                                             active, self._allowed(B, allowed), chunk,
+                                             *self._lora_args())
         self.lengths[used] = np.minimum(self.lengths[used] + 1,
                                         self.pages.pages_per_seq * cfg.page_size)
         for piece in finishing:
             self.lengths[piece.slot] = piece.start + len(piece.tokens)
         return state, out
+
+    def _lora_args(self) -> tuple:
+        """The LoRA arguments of a step: the slots' weights and each row's slot (a copy)."""
+        if self.lora is None:
+            return (None, None)
+        return (self.lora, self.lora_rows.copy())
 
     def _seed(self, state: DecodeState, piece: Piece) -> DecodeState:
         """Runs the `seed` program for a piece whose row shares its prefix's pages."""
@@ -503,7 +572,8 @@ class Piece:
     preempted request fed again, the position of its first generated token (the tokens from
     there count as generated for the penalties); 0 = none. prefix: on a row's first piece
     when its positions before `start` are shared pages from the prefix cache, the token ids
-    of those positions (they seed the row's token history); else empty."""
+    of those positions (they seed the row's token history); else empty. lora: the row's
+    LoRA adapter slot (-1 = none), for this piece and the row's decoding after it."""
 
     slot: int
     tokens: tuple[int, ...]
@@ -511,6 +581,7 @@ class Piece:
     settings: SlotSettings | None
     first_generated: int = 0
     prefix: tuple[int, ...] = ()
+    lora: int = -1
 
     @classmethod
     def cut(cls, slot: int, ids: Sequence[int], settings: SlotSettings,

@@ -11,6 +11,7 @@ norms, softmax and logits run in float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +120,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
+LoraDelta = Callable[[str, jax.Array], jax.Array]
+"""`delta(module, x)`: the LoRA update `[..., out]` of Hugging Face-named projection `module`
+(q_proj ... down_proj) for its input `x: [..., in]`, each token with its own adapter (zeros
+for a token without one). Built by `models/lora.py`."""
+
+
 class MLP(nnx.Module):
     """Gated MLP: `down(act(x @ gate) * (x @ up))`. x: [B, T, E] -> [B, T, E]."""
 
@@ -129,10 +136,15 @@ class MLP(nnx.Module):
         self.down = _normal(rngs, (F, E), dtype)
         self.act = cfg.hidden_act
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = x @ self.gate[...]
+    def __call__(self, x: jax.Array, lora: LoraDelta | None = None) -> jax.Array:
+        """lora: adds each projection's per-token adapter update (see `LoraDelta`)."""
+        gate, up = x @ self.gate[...], x @ self.up[...]
+        if lora is not None:
+            gate, up = gate + lora("gate_proj", x), up + lora("up_proj", x)
         gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
-        return (gate * (x @ self.up[...])) @ self.down[...]
+        h = gate * up
+        out = h @ self.down[...]
+        return out if lora is None else out + lora("down_proj", h)
 
 
 MLP_AXES: AxesTable = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
@@ -163,12 +175,17 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
 
-    def _qkv(self, x, positions):
-        """x [B, T, E] -> q [B, T, H, D], k and v [B, T, K, D], RoPE applied to q and k."""
+    def _qkv(self, x, positions, lora: LoraDelta | None = None):
+        """x [B, T, E] -> q [B, T, H, D], k and v [B, T, K, D], RoPE applied to q and k;
+        lora: adds the per-token adapter updates of q, k and v (see `LoraDelta`)."""
         cfg = self.cfg
         q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
         k = jnp.einsum("bte,ekd->btkd", x, self.k_proj[...])
         v = jnp.einsum("bte,ekd->btkd", x, self.v_proj[...])
+        if lora is not None:
+            q = q + lora("q_proj", x).reshape(q.shape)
+            k = k + lora("k_proj", x).reshape(k.shape)
+            v = v + lora("v_proj", x).reshape(v.shape)
         if cfg.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:

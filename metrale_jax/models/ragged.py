@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from metrale_jax.models.lora import lora_delta
 from metrale_jax.models.paged_attention import (
     chunk_attention,
     decode_attention,
@@ -112,20 +113,24 @@ def kernel_layout(page_table: jax.Array, dec_lens: jax.Array, chunk_rows: jax.Ar
 
 def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
                   tokens: jax.Array, positions: jax.Array, layout: StepLayout, *,
-                  n: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+                  n: int, lora: tuple | None = None,
+                  lora_index: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """The model over one ragged step's tokens, up to the final hidden states.
 
     tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
-    docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows. Returns the
+    docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows; lora: per layer the
+    adapter slots' weights (`models/lora.py`; None: no adapters), lora_index: [T] int32, each
+    token's adapter slot (-1 = none). Returns the
     hidden states `[T, E]` (before the final norm: `head` turns chosen rows into logits) and
     the pools with this step's keys and values written.
     """
     x = _embed(graph, params, tokens)
     new_pages = []
-    for state, sliding, pool in zip(params.layers, graph.cfg.layer_is_sliding, pages,
-                                    strict=True):
-        x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, layout,
-                                sliding=bool(sliding), n=n)
+    layer_lora = lora if lora is not None else (None,) * len(pages)
+    for state, sliding, pool, lw in zip(params.layers, graph.cfg.layer_is_sliding, pages,
+                                        layer_lora, strict=True):
+        x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, layout, lw,
+                                lora_index, sliding=bool(sliding), n=n)
         new_pages.append(pool)
     return x, tuple(new_pages)
 
@@ -136,13 +141,15 @@ def head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_def", "sliding", "n"))
-def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, *, sliding: bool,
-                  n: int):
-    """One decoder layer over a ragged step: x [T, E] -> ([T, E], the pool written)."""
+def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora_w, lora_index,
+                  *, sliding: bool, n: int):
+    """One decoder layer over a ragged step: x [T, E] -> ([T, E], the pool written); lora_w:
+    this layer's adapter weights (None: none), lora_index: [T] each token's slot."""
     block = nnx.merge(block_def, state)
     attn = block.attn
     cfg = attn.cfg
-    q, k, v = attn._qkv(block.attn_norm(x)[None], positions[None])
+    delta = lora_delta(lora_w, lora_index) if lora_w is not None else None
+    q, k, v = attn._qkv(block.attn_norm(x)[None], positions[None], delta)
     q, k, v = q[0], k[0], v[0]  # [T, H, D], [T, K, D]
     pool = write_kv(pool, k, v, layout.slots)
     opts = dict(sm_scale=cfg.attention_scale,
@@ -163,8 +170,11 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, *, s
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     # [T, H*D] @ [H*D, E]: an einsum over (h, d) makes XLA:CPU transpose o_proj every step.
     T, H, D = out.shape
-    y = out.astype(x.dtype).reshape(T, H * D) @ attn.o_proj[...].reshape(H * D, -1)
-    return block._rest(x, y), pool
+    flat = out.astype(x.dtype).reshape(T, H * D)
+    y = flat @ attn.o_proj[...].reshape(H * D, -1)
+    if delta is not None:
+        y = y + delta("o_proj", flat)
+    return block._rest(x, y, delta), pool
 
 
 __all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "head", "kernel_layout", "ragged_layers"]

@@ -51,12 +51,13 @@ class Block(nnx.Module):
         h, k, v = self.attn(self.attn_norm(x), positions, cache_k, cache_v, is_sliding)
         return self._rest(x, h), k, v
 
-    def _rest(self, x, h):
-        """The block after attention: x + post-norm(h), then the MLP residual."""
+    def _rest(self, x, h, lora=None):
+        """The block after attention: x + post-norm(h), then the MLP residual (`lora`: the
+        MLP's adapter updates, `layers.LoraDelta`)."""
         if self.post_norms:
             h = self.post_attn_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(self.mlp_norm(x), lora)
         if self.post_norms:
             h = self.post_mlp_norm(h)
         return x + h

@@ -431,6 +431,14 @@ class LeaderEngine:
             self.channel.send({"op": op, "args": encode(list(args)), "kwargs": encode({})})
         return getattr(self.engine, op)(*args)
 
+    def set_lora(self, slot: int, adapter: Any | None) -> None:
+        """`Engine.set_lora`, on every process: each reads the adapter from its own path (as
+        each loads the model), then runs the program that writes the slot."""
+        path = None if adapter is None else adapter.path
+        name = None if adapter is None else adapter.name
+        return self._call("set_lora", lambda *_: self.engine.set_lora(slot, adapter), None,
+                          slot, path, name)
+
     def release(self, slot: int) -> None:
         """`Engine.release`, on every process."""
         self._host("release", slot)
@@ -471,6 +479,15 @@ def run_follower(engine: Any, channel: FollowerChannel) -> None:
                 state, out = engine.add(state, *args, **kwargs)
             elif op == "step":
                 state, out = engine.step(state, *args, **kwargs)
+            elif op == "set_lora":  # a program: runs in order, like a step
+                slot, path, name = args
+                adapter = None
+                if path is not None:
+                    from metrale_jax.weights.lora import load_peft_adapter
+                    adapter = load_peft_adapter(path, engine.model_config, name,
+                                                engine.config.max_lora_rank)
+                engine.set_lora(slot, adapter)
+                out = None
             elif op in PAGE_CALLS:
                 getattr(engine, op)(*args)
                 continue

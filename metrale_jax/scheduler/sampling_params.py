@@ -62,6 +62,7 @@ class SamplingParams:
             choice, grammar): every token is drawn from what the grammar allows.
         thinking_budget: None, or a `scheduler.thinking.ThinkingBudgetSpec`: once the
             thinking reaches its budget of tokens, the end-of-thinking tokens are forced.
+        lora: the name of a LoRA adapter the scheduler holds (None: the base model).
     """
 
     max_tokens: int | None = 16
@@ -95,6 +96,7 @@ class SamplingParams:
     repetition_detection: RepetitionDetection | None = None
     constraint: Any = None
     thinking_budget: Any = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidParameterError:
@@ -124,6 +126,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None:
             integer("seed")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", "must be the name of a loaded LoRA adapter")
         if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

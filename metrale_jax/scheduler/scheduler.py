@@ -71,11 +71,14 @@ class Scheduler:
         warmup: compile every program before serving.
         warmup_progress: `progress(done, total)` after each program compiled by warmup
             (passed to `engine.warmup(progress=...)`; None passes nothing).
+        loras: LoRA adapters (`weights.lora.LoraAdapter`) by name, loaded into the engine's
+            slots in order before serving; a request names one in `SamplingParams.lora`.
     """
 
     def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
                  max_waiting: int = 256, warmup: bool = True,
-                 warmup_progress: Callable[[int, int], None] | None = None):
+                 warmup_progress: Callable[[int, int], None] | None = None,
+                 loras: dict[str, Any] | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -98,6 +101,13 @@ class Scheduler:
         self._admitted_at: dict[int, tuple[str, float]] = {}
         self.stats = collections.Counter()
         self.grammar = GrammarSlots(tokenizer, engine.model_config.vocab_size, self.num_slots)
+        loras = dict(loras or {})
+        if loras and len(loras) > engine.config.max_loras:
+            raise InvalidParameterError(
+                f"{len(loras)} LoRA adapters for {engine.config.max_loras} slots (max_loras)",
+                param="loras")
+        self._lora_adapters = loras
+        self.lora_slots = {name: i for i, name in enumerate(loras)}  # name -> engine slot
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
@@ -136,6 +146,10 @@ class Scheduler:
                     f"{MAX_BAD_WORD_TOKENS} tokens each", param="bad_words")
         if request.params.constraint is not None:
             self.grammar.validate(request.params.constraint, self.engine.config.decode_steps)
+        if request.params.lora is not None and request.params.lora not in self.lora_slots:
+            known = ", ".join(sorted(self.lora_slots)) or "none"
+            raise InvalidParameterError(f"unknown LoRA adapter {request.params.lora!r} "
+                                        f"(loaded: {known})", param="lora")
         wanted = request.params.max_tokens or 1
         if n + wanted > self.max_len:
             raise ContextLengthError(
@@ -156,7 +170,9 @@ class Scheduler:
         """
         self.check(request)
         handle = RequestHandle(request, self.cancel, loop)
-        seq = Sequence(request, handle, self.tokenizer, self.eos_token_ids, self.max_len)
+        lora = request.params.lora
+        seq = Sequence(request, handle, self.tokenizer, self.eos_token_ids, self.max_len,
+                       lora_slot=self.lora_slots[lora] if lora is not None else -1)
         with self._lock:
             if not self._running:
                 raise BusyError("the scheduler is stopped")
@@ -226,6 +242,8 @@ class Scheduler:
             elif self._warmup:
                 self.engine.warmup()
             self.state = self.engine.init_decode_state()
+            for name, adapter in self._lora_adapters.items():
+                self.engine.set_lora(self.lora_slots[name], adapter)
         except Exception as e:  # nothing can be served: fail whatever is queued
             log.exception("engine warmup failed")
             self.startup_error = e
@@ -429,7 +447,7 @@ class Scheduler:
                         self.stats["prefix_cache_hits"] += seq.cached_tokens
             self.engine.reserve(slot, end)
             out.append((Piece(slot, tuple(seq.feed[start:end]), start, settings,
-                              first_generated, prefix), seq))
+                              first_generated, prefix, seq.lora_slot), seq))
             used += size
             if start:
                 flops_left -= cost.piece_flops(size, start)

@@ -22,7 +22,7 @@ class Sequence:
     """
 
     def __init__(self, request: GenerationRequest, handle: RequestHandle, tokenizer,
-                 eos_token_ids: tuple[int, ...], max_len: int):
+                 eos_token_ids: tuple[int, ...], max_len: int, lora_slot: int = -1):
         from metrale_jax.text import IncrementalDetokenizer
 
         self.request = request
@@ -56,7 +56,9 @@ class Sequence:
         # whether the row's token history is set (its first piece ran), and the prompt tokens
         # shared at the first admission (usage's cached_tokens; None until then).
         from metrale_jax.engine.prefix_cache import root_key
-        self.cache_root = root_key(request.tenant, request.cache_salt)
+        # The adapter changes every key and value: it is part of the root.
+        self.lora_slot = lora_slot
+        self.cache_root = root_key(request.tenant, request.cache_salt, request.params.lora)
         self.page_keys: list[str] = []
         self.keyed = 0
         self.seeded = False

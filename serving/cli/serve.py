@@ -22,6 +22,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MetraleError("--prefix-cache-share must be from 0 to 1")
     if args.prefix_cache_min_tokens < 0:
         raise MetraleError("--prefix-cache-min-tokens must be >= 0")
+    args.loras = _lora_flags(args.lora)
+    if args.loras and not 1 <= len(args.loras) <= args.max_loras:
+        raise MetraleError(f"{len(args.loras)} LoRA adapters for --max-loras {args.max_loras}")
+    if args.max_lora_rank < 1:
+        raise MetraleError("--max-lora-rank must be >= 1")
     pid, processes = init_distributed(args)
     if processes == 1:
         return _serve(args, 0, 1)
@@ -41,12 +46,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return code
 
 
+def _lora_flags(values: list[str]) -> dict[str, str]:
+    """--lora NAME=PATH values as {name: path}; a malformed or repeated one is an error."""
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise MetraleError(f"--lora {value!r}: expected NAME=PATH")
+        if name in out:
+            raise MetraleError(f"--lora: the name {name!r} is given twice")
+        out[name] = path
+    return out
+
+
 def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
     from serving.http.server import serve
     from serving.http.settings import ServerSettings
     options = {"logprobs_mode": args.logprobs_mode, "prefix_cache": args.prefix_cache,
                "prefix_cache_share": args.prefix_cache_share,
                "prefix_cache_min_tokens": args.prefix_cache_min_tokens, **engine_options(args)}
+    if args.loras:
+        options.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     if args.max_prefill_len is not None:
         options["max_prefill_len"] = args.max_prefill_len
     settings = ServerSettings(
@@ -57,7 +77,7 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
         engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
         max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, loras=args.loras)
     from serving.progress import StageProgress
     for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.scheduler.multihost"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -128,6 +148,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="the most of the KV page pool (0 .. 1) that cached pages no request "
                           "holds may keep (default 1: all of it; they are evicted, least "
                           "recently used first, whenever requests need pages)")
+    srv.add_argument("--lora", "--lora-modules", dest="lora", action="extend", nargs="+",
+                     default=[], metavar="NAME=PATH",
+                     help="serve the PEFT LoRA adapter in folder PATH as model NAME (requests "
+                          "send \"model\": NAME); repeatable (vLLM's --lora-modules)")
+    srv.add_argument("--max-loras", type=int, default=4,
+                     help="LoRA adapter slots on the device (default 4)")
+    srv.add_argument("--max-lora-rank", type=int, default=16,
+                     help="the largest LoRA rank served (default 16)")
     srv.add_argument("--prefix-cache-min-tokens", type=int, default=64, metavar="N",
                      help="the shortest shared prefix read from the cache (default 64: off "
                           "TPU a shorter one costs more to read than to prefill)")

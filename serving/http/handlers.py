@@ -7,6 +7,7 @@ error after the stream started is sent as an error event followed by `[DONE]`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -54,12 +55,13 @@ def _timeout(state: ServerState, requested: float | None) -> float | None:
 def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str) -> Prepared:
     """Validates a chat request against the model, renders and tokenizes it, submits it."""
     rt = state.require_ready()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     req.validate_semantics()
     prompt = rt.encode_chat(req.template_messages(),
                             add_generation_prompt=req.add_generation_prompt,
                             tools=req.tools, **req.template_kwargs())
-    params = req.sampling_params(req.max_new_tokens, req.num_logprobs)
+    params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.num_logprobs),
+                                 lora=lora)
     output = ChatOutput.for_request(
         state.settings, rt.checkpoint.chat_template, req.tool_choice_spec(),
         req.suppress_tool_call, rt.decode(prompt[-16:], skip_special_tokens=False),
@@ -80,7 +82,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
                        request_id: str) -> Prepared:
     """Validates a completion request, tokenizes its prompts, submits every choice."""
     rt = state.require_ready()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     req.validate_semantics()
     prompts, texts = [], []
     for p in req.prompts:
@@ -90,7 +92,8 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
         else:
             prompts.append(list(p))
             texts.append(rt.decode(p, skip_special_tokens=False) if req.echo else "")
-    params = req.sampling_params(req.max_new_tokens, req.logprobs)
+    params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.logprobs),
+                                 lora=lora)
     gen = Generation(rt, state.metrics, prompts, params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt)
     gen.check("prompt")

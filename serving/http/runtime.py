@@ -48,6 +48,7 @@ class ModelRuntime:
         self.checkpoint: Any = None
         self.scheduler: Any = None
         self.engine_config: Any = None  # the engine's resolved EngineConfig, once built
+        self.loras: dict[str, Any] = {}  # the LoRA adapters read, by name
         self.created = int(time.time())
         self._template: Any = None
         self._token_strs: dict[int, str] = {}
@@ -88,13 +89,14 @@ class ModelRuntime:
                 engine = self._join_processes(engine)
                 if engine is None:  # a follower: replaying process 0's calls
                     return
+            self.loras = self._read_loras(ckpt.config, engine.config)
             self.state = "warming_up"
             with stage(self.progress if s.warmup else None, COMPILING) as step:
                 hook = step if self.progress and accepts_keyword(engine.warmup, "progress") \
                     else None
                 self.scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
                                            max_waiting=s.max_waiting, warmup=s.warmup,
-                                           warmup_progress=hook)
+                                           warmup_progress=hook, loras=self.loras)
                 self.scheduler.wait_ready()
                 if self.scheduler.startup_error is not None:
                     raise self.scheduler.startup_error
@@ -108,6 +110,12 @@ class ModelRuntime:
             self.state = "failed"
         finally:
             self._loaded.set()
+
+    def _read_loras(self, model_config: Any, engine_config: Any) -> dict[str, Any]:
+        """The LoRA adapters of the settings, read and checked against the model."""
+        from metrale_jax.weights.lora import load_peft_adapter
+        return {name: load_peft_adapter(path, model_config, name, engine_config.max_lora_rank)
+                for name, path in self.settings.loras.items()}
 
     def _join_processes(self, engine: Any) -> Any:
         """Opens the multi-host side channel. Process 0: returns its engine wrapped so that
@@ -218,6 +226,13 @@ class ModelRuntime:
                                 "root": str(self.settings.model), "parent": None,
                                 "max_model_len": self.max_len}
         return card
+
+    def lora_cards(self) -> list[dict[str, Any]]:
+        """The /v1/models entries of the LoRA adapters (their parent: the served model)."""
+        return [{"id": name, "object": "model", "created": self.created,
+                 "owned_by": "metrale", "root": str(path),
+                 "parent": self.settings.model_name, "max_model_len": self.max_len}
+                for name, path in self.settings.loras.items()]
 
     # ---- text --------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -30,6 +30,8 @@ class ServerSettings:
         `mistral`), "none", or "auto" (from the chat template); serving/http/tools/parsers.py.
     reasoning_parser: the thinking format (`think`, `deepseek_r1`), "none", or "auto" (`think`
         when the chat template knows `<think>`); serving/http/reasoning.py.
+    loras: LoRA adapters served beside the base model, {name: PEFT adapter folder}; a request
+        picks one by sending its name as `model` (the engine's `max_loras` slots hold them).
     """
 
     model: str = "default"
@@ -50,6 +52,7 @@ class ServerSettings:
     num_processes: int = 1
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
+    loras: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def model_name(self) -> str:

@@ -65,12 +65,18 @@ class ServerState:
                                    code="not_ready", retry_after=5)
         return rt
 
-    def check_model(self, model: str | None) -> None:
-        """400 unless `model` is the served model's name (or omitted)."""
+    def check_model(self, model: str | None) -> str | None:
+        """404 unless `model` is the served model's name, one of its LoRA adapters' names,
+        or omitted; returns the adapter's name (None: the base model)."""
         name = self.settings.model_name
-        if model is not None and model != name:
-            raise ModelNotFoundError(f"the model {model!r} does not exist; this server "
-                                     f"serves {name!r}")
+        if model is None or model == name:
+            return None
+        if model in self.settings.loras:
+            return model
+        adapters = f" and the LoRA adapters {sorted(self.settings.loras)}" \
+            if self.settings.loras else ""
+        raise ModelNotFoundError(f"the model {model!r} does not exist; this server "
+                                 f"serves {name!r}{adapters}")
 
     async def drain(self, grace: float | None = None) -> None:
         """Stops accepting, lets in-flight requests finish within `grace` s, cancels the rest.

@@ -18,7 +18,6 @@ from serving.http.state import ServerState
 
 def register(app: Quart, state: ServerState) -> None:
     """Adds /v1/chat/completions, /v1/completions and /v1/models[/{id}] to `app`."""
-    settings = state.settings
 
     async def _generate(prep: handlers.Prepared, body, stream) -> Response:
         rt = state.runtime
@@ -55,14 +54,16 @@ def register(app: Quart, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [state.runtime.model_card()]})
+        return json_response({"object": "list", "data": [state.runtime.model_card(),
+                                                         *state.runtime.lora_cards()]})
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        if model_id != settings.model_name:
+        cards = {c["id"]: c for c in [state.runtime.model_card(), *state.runtime.lora_cards()]}
+        if model_id not in cards:
             raise NotFoundError(f"the model {model_id!r} does not exist", code="model_not_found",
                                 param="model")
-        return json_response(state.runtime.model_card())
+        return json_response(cards[model_id])
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:

@@ -82,3 +82,14 @@ def test_serve_refuses_a_prefix_cache_share_outside_0_to_1(share, tiny):
     assert r.returncode == 2, r.stderr
     assert "--prefix-cache-share must be from 0 to 1" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--lora", "no-equals-sign"], "expected NAME=PATH"),
+    (["--lora", "a=/x", "--lora-modules", "a=/y"], "given twice"),
+    (["--lora", "a=/x", "b=/y", "--max-loras", "1"], "--max-loras 1"),
+])
+def test_serve_refuses_bad_lora_flags(args, needle, tiny):
+    r = metrale("serve", "--model", str(tiny), "--port", "0", *args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
