@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -108,6 +110,13 @@ class Scheduler:
                 param="loras")
         self._lora_adapters = loras
         self.lora_slots = {name: i for i, name in enumerate(loras)}  # name -> engine slot
+        # Each loaded adapter's prefix-cache key: its name and which load it is, so pages of
+        # an adapter unloaded and loaded again under the same name are never reused.
+        self._lora_loads = itertools.count()
+        self.lora_keys = {name: f"{name}#{next(self._lora_loads)}" for name in loras}
+        self._unloading: dict[str, Future] = {}  # name -> the caller's future
+        self._lora_ops: collections.deque[tuple[Callable[[], Any], Future]] = \
+            collections.deque()
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
@@ -146,10 +155,12 @@ class Scheduler:
                     f"{MAX_BAD_WORD_TOKENS} tokens each", param="bad_words")
         if request.params.constraint is not None:
             self.grammar.validate(request.params.constraint, self.engine.config.decode_steps)
-        if request.params.lora is not None and request.params.lora not in self.lora_slots:
-            known = ", ".join(sorted(self.lora_slots)) or "none"
-            raise InvalidParameterError(f"unknown LoRA adapter {request.params.lora!r} "
-                                        f"(loaded: {known})", param="lora")
+        lora = request.params.lora
+        if lora is not None and (lora not in self.lora_slots or lora in self._unloading):
+            known = ", ".join(sorted(set(self.lora_slots) - set(self._unloading))) or "none"
+            why = "is being unloaded" if lora in self._unloading else "is not loaded"
+            raise InvalidParameterError(f"the LoRA adapter {lora!r} {why} (loaded: {known})",
+                                        param="lora")
         wanted = request.params.max_tokens or 1
         if n + wanted > self.max_len:
             raise ContextLengthError(
@@ -172,7 +183,8 @@ class Scheduler:
         handle = RequestHandle(request, self.cancel, loop)
         lora = request.params.lora
         seq = Sequence(request, handle, self.tokenizer, self.eos_token_ids, self.max_len,
-                       lora_slot=self.lora_slots[lora] if lora is not None else -1)
+                       lora_slot=self.lora_slots[lora] if lora is not None else -1,
+                       lora_key=self.lora_keys[lora] if lora is not None else None)
         with self._lock:
             if not self._running:
                 raise BusyError("the scheduler is stopped")
@@ -182,6 +194,67 @@ class Scheduler:
             self._waiting.append(seq)
             self._wake.notify()
         return handle
+
+    def load_lora(self, name: str, adapter: Any) -> Future:
+        """Loads `adapter` (a `weights.lora.LoraAdapter`) into a free slot under `name`, on
+        the loop thread (nothing compiles). The future raises `InvalidParameterError` when
+        the name is taken or every slot holds an adapter."""
+        return self._lora_op(lambda: self._load_lora(name, adapter))
+
+    def unload_lora(self, name: str) -> Future:
+        """Unloads adapter `name`: new requests for it are refused at once; the future ends
+        when the last request using it has ended and its slot is cleared."""
+        future: Future = Future()
+        with self._lock:
+            if name not in self.lora_slots or name in self._unloading:
+                future.set_exception(InvalidParameterError(
+                    f"no LoRA adapter {name!r} is loaded", param="lora_name"))
+            else:
+                self._unloading[name] = future  # from now on `check` refuses it
+                self._wake.notify()
+        return future
+
+    def _lora_op(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if not self._running:
+                raise BusyError("the scheduler is stopped")
+            self._lora_ops.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def _run_lora_ops(self) -> None:
+        """Runs queued adapter loads and unloads; clears unloaded adapters no one uses."""
+        while self._lora_ops:
+            fn, future = self._lora_ops.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+        for name, future in list(self._unloading.items()):
+            slot = self.lora_slots[name]
+            with self._lock:
+                waiting = [s for s in self._waiting if s.lora_slot == slot]
+            if waiting or any(s is not None and s.lora_slot == slot for s in self._slots):
+                continue
+            self.engine.set_lora(slot, None)
+            del self.lora_slots[name], self.lora_keys[name], self._unloading[name]
+            future.set_result(None)
+
+    def _load_lora(self, name: str, adapter: Any) -> int:
+        if name in self.lora_slots:
+            raise InvalidParameterError(f"a LoRA adapter named {name!r} is already loaded",
+                                        param="lora_name")
+        used = set(self.lora_slots.values())
+        free = [i for i in range(self.engine.config.max_loras) if i not in used]
+        if not free:
+            raise InvalidParameterError(
+                f"all {self.engine.config.max_loras} LoRA slots hold adapters (--max-loras); "
+                "unload one first", param="lora_name")
+        self.engine.set_lora(free[0], adapter)
+        self.lora_keys[name] = f"{name}#{next(self._lora_loads)}"
+        self.lora_slots[name] = free[0]
+        return free[0]
 
     def cancel(self, request_id: str) -> None:
         """Cancels a request from any thread; its slot is freed at the next iteration."""
@@ -258,11 +331,13 @@ class Scheduler:
             with self._lock:
                 if not self._running:
                     break
-                if not self._waiting and not any(self._slots) and not pending:
+                if (not self._waiting and not any(self._slots) and not pending
+                        and not self._lora_ops and not self._unloading):
                     self._wake.wait(timeout=1.0)
                 cancelled, self._cancelled = self._cancelled, set()
             try:
                 self._drop(cancelled)
+                self._run_lora_ops()
                 self._admit()
                 if any(self._slots):
                     if self.grammar.must_drain(self._decoding()) and not self._prefilling:

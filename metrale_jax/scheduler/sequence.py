@@ -22,7 +22,8 @@ class Sequence:
     """
 
     def __init__(self, request: GenerationRequest, handle: RequestHandle, tokenizer,
-                 eos_token_ids: tuple[int, ...], max_len: int, lora_slot: int = -1):
+                 eos_token_ids: tuple[int, ...], max_len: int, lora_slot: int = -1,
+                 lora_key: str | None = None):
         from metrale_jax.text import IncrementalDetokenizer
 
         self.request = request
@@ -58,7 +59,7 @@ class Sequence:
         from metrale_jax.engine.prefix_cache import root_key
         # The adapter changes every key and value: it is part of the root.
         self.lora_slot = lora_slot
-        self.cache_root = root_key(request.tenant, request.cache_salt, request.params.lora)
+        self.cache_root = root_key(request.tenant, request.cache_salt, lora_key)
         self.page_keys: list[str] = []
         self.keyed = 0
         self.seeded = False

@@ -38,7 +38,8 @@ _NOT_PARAMS = ("rope_freqs.weight",)  # a RoPE buffer stored as a tensor, not a 
 class CheckpointInfo:
     """One checkpoint as `metrale models` lists it.
 
-    format: "gguf", "hf" or "orbax" (None when the entry is not a checkpoint).
+    format: "gguf", "hf", "orbax" or "lora" (a PEFT adapter folder; None when the entry is
+    not a checkpoint).
     architecture: the model family ("llama", "qwen2", ...), as the checkpoint names it.
     size_bytes: bytes on disk (every file of a checkpoint folder; 0 for a folder that is not a
     checkpoint). num_params: parameter count, None when
@@ -87,7 +88,7 @@ def describe(path: Path) -> CheckpointInfo:
     path = Path(path)
     is_default = path.resolve() == default_model_path().resolve()
     known = (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and any(
-        (path / f).is_file() for f in ("metrale.json", "config.json")))
+        (path / f).is_file() for f in ("metrale.json", "config.json", "adapter_config.json")))
     # A folder that is no checkpoint is not walked (it may be large); a file costs a stat.
     size = size_on_disk(path) if known or path.is_file() else 0
     base = dict(name=path.name, path=path, size_bytes=size, default=is_default)
@@ -99,6 +100,10 @@ def describe(path: Path) -> CheckpointInfo:
         if path.is_dir() and (path / "metrale.json").is_file():
             arch, params, dtype = _orbax_info(path)
             return CheckpointInfo(format="orbax", architecture=arch, num_params=params,
+                                  dtype=dtype, **base)
+        if path.is_dir() and (path / "adapter_config.json").is_file():
+            arch, params, dtype = _lora_info(path)
+            return CheckpointInfo(format="lora", architecture=arch, num_params=params,
                                   dtype=dtype, **base)
         if path.is_dir() and (path / "config.json").is_file():
             arch, params, dtype = _hf_info(path)
@@ -226,6 +231,23 @@ def _hf_info(path: Path) -> tuple[str | None, int | None, str | None]:
             dtypes[entry["dtype"]] += n
     dtype = dtypes.most_common(1)[0][0] if dtypes else cfg.get("torch_dtype") or cfg.get("dtype")
     return arch, params, dtype
+
+
+def _lora_info(path: Path) -> tuple[str | None, int | None, str | None]:
+    """("lora r=R of BASE", parameter count, dtype) of a PEFT LoRA adapter folder."""
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    base = cfg.get("base_model_name_or_path") or "?"
+    params, dtypes = 0, collections.Counter()
+    weights = path / "adapter_model.safetensors"
+    if weights.is_file():
+        for name, entry in _safetensors_header(weights).items():
+            if name != "__metadata__":
+                n = math.prod(entry["shape"])
+                params += n
+                dtypes[entry["dtype"]] += n
+    kind = str(cfg.get("peft_type", "LORA")).lower()
+    return (f"{kind} r={cfg.get('r')} of {Path(str(base)).name}", params,
+            dtypes.most_common(1)[0][0] if dtypes else None)
 
 
 # ---- Metrale (orbax) ---------------------------------------------------------------------

@@ -65,7 +65,7 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
     options = {"logprobs_mode": args.logprobs_mode, "prefix_cache": args.prefix_cache,
                "prefix_cache_share": args.prefix_cache_share,
                "prefix_cache_min_tokens": args.prefix_cache_min_tokens, **engine_options(args)}
-    if args.loras:
+    if args.loras or args.enable_lora_runtime_updates:
         options.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     if args.max_prefill_len is not None:
         options["max_prefill_len"] = args.max_prefill_len
@@ -77,7 +77,8 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
         engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
         max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, loras=args.loras)
+        reasoning_parser=args.reasoning_parser, loras=args.loras,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates)
     from serving.progress import StageProgress
     for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.scheduler.multihost"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -152,6 +153,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      default=[], metavar="NAME=PATH",
                      help="serve the PEFT LoRA adapter in folder PATH as model NAME (requests "
                           "send \"model\": NAME); repeatable (vLLM's --lora-modules)")
+    srv.add_argument("--enable-lora-runtime-updates", action="store_true",
+                     help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     srv.add_argument("--max-loras", type=int, default=4,
                      help="LoRA adapter slots on the device (default 4)")
     srv.add_argument("--max-lora-rank", type=int, default=16,

@@ -48,7 +48,8 @@ class ModelRuntime:
         self.checkpoint: Any = None
         self.scheduler: Any = None
         self.engine_config: Any = None  # the engine's resolved EngineConfig, once built
-        self.loras: dict[str, Any] = {}  # the LoRA adapters read, by name
+        self.loras: dict[str, Any] = {}  # the LoRA adapters read at start-up, by name
+        self.lora_paths: dict[str, str] = dict(settings.loras)  # those served now
         self.created = int(time.time())
         self._template: Any = None
         self._token_strs: dict[int, str] = {}
@@ -232,7 +233,7 @@ class ModelRuntime:
         return [{"id": name, "object": "model", "created": self.created,
                  "owned_by": "metrale", "root": str(path),
                  "parent": self.settings.model_name, "max_model_len": self.max_len}
-                for name, path in self.settings.loras.items()]
+                for name, path in list(self.lora_paths.items())]
 
     # ---- text --------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -32,6 +32,8 @@ class ServerSettings:
         when the chat template knows `<think>`); serving/http/reasoning.py.
     loras: LoRA adapters served beside the base model, {name: PEFT adapter folder}; a request
         picks one by sending its name as `model` (the engine's `max_loras` slots hold them).
+    enable_lora_runtime_updates: POST /v1/load_lora_adapter and /v1/unload_lora_adapter work
+        (otherwise they answer 400).
     """
 
     model: str = "default"
@@ -53,6 +55,7 @@ class ServerSettings:
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     loras: dict[str, str] = dataclasses.field(default_factory=dict)
+    enable_lora_runtime_updates: bool = False
 
     @property
     def model_name(self) -> str:

@@ -71,10 +71,10 @@ class ServerState:
         name = self.settings.model_name
         if model is None or model == name:
             return None
-        if model in self.settings.loras:
+        served = self.runtime.lora_paths
+        if model in served:
             return model
-        adapters = f" and the LoRA adapters {sorted(self.settings.loras)}" \
-            if self.settings.loras else ""
+        adapters = f" and the LoRA adapters {sorted(served)}" if served else ""
         raise ModelNotFoundError(f"the model {model!r} does not exist; this server "
                                  f"serves {name!r}{adapters}")
 

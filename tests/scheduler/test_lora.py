@@ -124,7 +124,65 @@ def test_pages_are_never_shared_across_adapters(lora_setup):
 
 def test_an_unknown_adapter_is_refused(lora_setup):
     llm, _, _ = lora_setup
-    with pytest.raises(InvalidParameterError, match="unknown LoRA adapter 'nope'.*all, attn, mlp"):
+    with pytest.raises(InvalidParameterError, match="adapter 'nope' is not loaded.*all, attn, mlp"):
         llm.scheduler.submit(GenerationRequest.make([1, 2], SamplingParams(lora="nope")))
     with pytest.raises(InvalidParameterError, match="lora"):
         SamplingParams(lora="")
+
+
+def test_adapters_load_and_unload_while_serving_without_compiling(lora_setup):
+    llm = lora_setup[0]
+    sched = llm.scheduler
+    adapters = {n: llm.loras[n] for n in ADAPTERS}
+    ids = PROMPTS[0]
+    before = {n: _first(llm, ids, n) for n in ("attn", "all")}
+    compiles = sched.engine.compile_count
+    # A fourth adapter fills the last slot (max_loras 4); a fifth finds none free.
+    sched.load_lora("attn2", adapters["attn"]).result(60)
+    assert _first(llm, ids, "attn2") == before["attn"]
+    with pytest.raises(InvalidParameterError, match="all 4 LoRA slots"):
+        sched.load_lora("extra", adapters["mlp"]).result(60)
+    with pytest.raises(InvalidParameterError, match="already loaded"):
+        sched.load_lora("attn2", adapters["mlp"]).result(60)
+    # Unloading waits for the requests that use the adapter; new ones are refused at once.
+    long = sched.submit(GenerationRequest.make(ids, SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True, lora="attn2")))
+    events = iter(long)
+    assert isinstance(next(events), Token)
+    done = sched.unload_lora("attn2")
+    with pytest.raises(InvalidParameterError, match="being unloaded"):
+        sched.submit(GenerationRequest.make(ids, SamplingParams(lora="attn2")))
+    rest = list(events)
+    assert isinstance(rest[-1], Finished) and rest[-1].completion_tokens == 40
+    done.result(60)
+    assert "attn2" not in sched.lora_slots
+    with pytest.raises(InvalidParameterError, match="no LoRA adapter 'attn2'"):
+        sched.unload_lora("attn2").result(60)
+    # The freed slot takes another adapter; the same name again is a new adapter.
+    sched.load_lora("attn2", adapters["all"]).result(60)
+    assert _first(llm, ids, "attn2") == before["all"]
+    sched.unload_lora("attn2").result(60)
+    assert sched.engine.compile_count == compiles
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_other_architectures_match_peft(arch, tmp_path):
+    """q/k norms (Qwen3), post norms, soft caps, sliding windows and GELU (Gemma 2): the
+    update goes where PEFT puts it. (Every architecture shares these projections' code.)"""
+    from metrale_jax import LLM
+    build_hf_model(arch, tmp_path / "base")
+    save_tiny_tokenizer(tmp_path / "base")
+    peft_model = make_adapter(build_hf_model(arch, tmp_path / "copy"), tmp_path / "a",
+                              ATTN + MLP, r=8, alpha=12, seed=5)
+    llm = LLM(tmp_path / "base", max_slots=2, max_len=64, max_prefill_len=16,
+              max_prefill_batch=1, num_top_logprobs=5, loras={"a": tmp_path / "a"})
+    try:
+        for ids in PROMPTS[:2]:
+            ref = _reference(peft_model, ids[:20])
+            token, top = _first(llm, ids[:20], "a")
+            assert token == int(ref.argmax())
+            ids_top = [t for t, _ in top]
+            np.testing.assert_allclose([lp for _, lp in top], ref[ids_top], rtol=1e-4,
+                                       atol=1e-5)
+    finally:
+        llm.close()

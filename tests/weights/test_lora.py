@@ -115,3 +115,15 @@ def test_missing_files_rank_limit_and_foreign_modules(base, tmp_path):
     (tmp_path / "big" / "adapter_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(LoraError, match="cannot be read"):
         load_peft_adapter(tmp_path / "big", cfg)
+
+
+def test_metrale_models_lists_an_adapter_folder(base, tmp_path):
+    from metrale_jax.weights.catalog import list_checkpoints
+    _, model, _ = base
+    make_adapter(model, tmp_path / "sql", ATTN, r=4).unload()
+    (info,) = list_checkpoints(tmp_path)
+    assert info.format == "lora" and info.error is None
+    assert info.architecture.startswith("lora r=4 of")
+    L, E, H, K, D = 3, 64, 4, 2, 16  # tests/hf_models.py's tiny shapes
+    assert info.num_params == L * 4 * (E + H * D + E + K * D + E + K * D + H * D + E)
+    assert info.dtype == "F32" and info.size_bytes > 0

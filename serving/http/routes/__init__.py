@@ -1,18 +1,18 @@
 """The API's routes, one module per API group, each with a `register(app, state)`: `openai`
 (chat/completions, completions, models), `tokenize` (/tokenize, /detokenize), `admin`
-(/health, /metrics, /v1/metrale/stats). A new API (Responses, Anthropic Messages, an
-adapter, the web page) is a new module here, added to `GROUPS`. Routes may import the rest of
-serving.http, never app.py (which imports them).
+(/health, /metrics, /v1/metrale/stats), `lora` (vLLM's runtime adapter loading). A new
+API (Responses, Anthropic Messages, the web page) is a new module here, added to `GROUPS`.
+Routes may import the rest of serving.http, never app.py (which imports them).
 """
 
 from __future__ import annotations
 
 from quart import Quart
 
-from serving.http.routes import admin, openai, tokenize
+from serving.http.routes import admin, lora, openai, tokenize
 from serving.http.state import ServerState
 
-GROUPS = (openai, tokenize, admin)
+GROUPS = (openai, tokenize, admin, lora)
 
 
 def register_all(app: Quart, state: ServerState) -> None:

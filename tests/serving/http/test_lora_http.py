@@ -25,11 +25,11 @@ def lora_server(tmp_path_factory):
     settings = ServerSettings(
         model=str(root / "base"), served_model_name=BASE, port=0, max_slots=4, max_len=128,
         engine_options={"max_prefill_len": 32, "max_loras": 2, "max_lora_rank": 8},
-        loras={"sql": str(root / "sql")}, warmup=False)
+        loras={"sql": str(root / "sql")}, warmup=False, enable_lora_runtime_updates=True)
     srv = ServerThread(settings).start()
     assert srv.wait_ready(timeout=600), "the server did not become ready"
     wait_healthy(srv.url)
-    yield srv, base, peft_model
+    yield srv, base, peft_model, root
     srv.stop()
 
 
@@ -39,7 +39,7 @@ def _reference_token(model, ids: list[int]) -> int:
 
 
 def test_models_lists_the_adapter_with_its_parent(lora_server, schemas):
-    srv, _, _ = lora_server
+    srv = lora_server[0]
     listing = get_json(srv.url, "/v1/models")
     cards = {c["id"]: c for c in listing["data"]}
     assert set(cards) == {BASE, "sql"}
@@ -49,7 +49,7 @@ def test_models_lists_the_adapter_with_its_parent(lora_server, schemas):
 
 def test_the_model_field_picks_the_adapter(lora_server):
     import openai
-    srv, base, peft_model = lora_server
+    srv, base, peft_model, _ = lora_server
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     ids = [1, 40, 41, 42, 43, 9, 77]
     answers = {}
@@ -62,8 +62,49 @@ def test_the_model_field_picks_the_adapter(lora_server):
 
 
 def test_an_unknown_model_is_refused_naming_the_adapters(lora_server, schemas):
-    srv, _, _ = lora_server
+    srv = lora_server[0]
     status, _, body = post(srv.url, "/v1/completions", {"model": "nope", "prompt": "hi"})
     assert status == 400  # as for any unknown model here (errors.ModelNotFoundError)
     schemas.error(body)
     assert "sql" in body["error"]["message"] and body["error"]["code"] == "model_not_found"
+
+
+def test_adapters_load_and_unload_at_runtime(lora_server, schemas):
+    srv, _, _, root = lora_server
+    url = srv.url
+    status, _, body = post(url, "/v1/load_lora_adapter",
+                           {"lora_name": "sql2", "lora_path": str(root / "sql")})
+    assert status == 200 and body["status"] == "loaded", body
+    assert "sql2" in {c["id"] for c in get_json(url, "/v1/models")["data"]}
+    out = {m: post(url, "/v1/completions", {"model": m, "prompt": [1, 40, 41], "max_tokens": 3,
+                                            "temperature": 0, "return_token_ids": True})
+           for m in ("sql", "sql2")}
+    assert out["sql"][0] == out["sql2"][0] == 200
+    assert out["sql"][2]["choices"][0]["token_ids"] == out["sql2"][2]["choices"][0]["token_ids"]
+    # Both slots hold adapters (max_loras 2): a third is refused, in OpenAI's shape.
+    errors = [
+        ({"lora_name": "third", "lora_path": str(root / "sql")}, "all 2 LoRA slots"),
+        ({"lora_name": "sql", "lora_path": str(root / "sql")}, "already loaded"),
+        ({"lora_name": "x", "lora_path": str(root / "nowhere")}, "no adapter folder"),
+        ({"lora_name": "x", "lora_path": str(root / "base")}, "no adapter_config.json"),
+        ({"lora_name": "x"}, "lora_path"),
+    ]
+    for body_in, needle in errors:
+        status, _, err = post(url, "/v1/load_lora_adapter", body_in)
+        assert status == 400, (body_in, err)
+        schemas.error(err)
+        assert needle in err["error"]["message"], err
+    status, _, body = post(url, "/v1/unload_lora_adapter", {"lora_name": "sql2"})
+    assert status == 200 and body["status"] == "unloaded"
+    assert "sql2" not in {c["id"] for c in get_json(url, "/v1/models")["data"]}
+    status, _, err = post(url, "/v1/completions", {"model": "sql2", "prompt": "hi"})
+    assert status == 400 and err["error"]["code"] == "model_not_found"
+    status, _, err = post(url, "/v1/unload_lora_adapter", {"lora_name": "sql2"})
+    assert status == 400 and "no LoRA adapter 'sql2'" in err["error"]["message"]
+
+
+def test_runtime_updates_are_off_unless_enabled(base_url, schemas):
+    status, _, err = post(base_url, "/v1/load_lora_adapter", {"lora_name": "a",
+                                                              "lora_path": "/x"})
+    assert status == 400 and "--enable-lora-runtime-updates" in err["error"]["message"]
+    schemas.error(err)

@@ -1,0 +1,68 @@
+"""vLLM's runtime LoRA routes: POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST
+/v1/unload_lora_adapter {"lora_name"}, refused (400) unless the server was started with
+`--enable-lora-runtime-updates`. A loaded adapter is served as model `lora_name` at once and
+listed by /v1/models; unloading refuses new requests for it at once and answers when the
+requests already using it have ended (their answers complete)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from pydantic import Field
+from quart import Quart, Response
+
+from metrale_jax.errors import InvalidParameterError
+from serving.http.bodies import json_response, read_body
+from serving.http.protocol import _Body
+from serving.http.state import ServerState
+
+
+class LoadLoraRequest(_Body):
+    """The body of POST /v1/load_lora_adapter."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoraRequest(_Body):
+    """The body of POST /v1/unload_lora_adapter."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+
+
+def register(app: Quart, state: ServerState) -> None:
+    """Adds /v1/load_lora_adapter and /v1/unload_lora_adapter to `app`."""
+
+    def runtime_updates() -> None:
+        if not state.settings.enable_lora_runtime_updates:
+            raise InvalidParameterError(
+                "loading and unloading LoRA adapters at runtime is off: start the server "
+                "with --enable-lora-runtime-updates", param=None)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter() -> Response:
+        runtime_updates()
+        req = await read_body(LoadLoraRequest)
+        rt = state.require_ready()
+        if req.lora_name == state.settings.model_name:
+            raise InvalidParameterError(f"{req.lora_name!r} is the base model's name",
+                                        param="lora_name")
+        from metrale_jax.weights.lora import load_peft_adapter
+        adapter = await asyncio.to_thread(load_peft_adapter, req.lora_path,
+                                          rt.checkpoint.config, req.lora_name,
+                                          rt.engine_config.max_lora_rank)
+        await asyncio.wrap_future(rt.scheduler.load_lora(req.lora_name, adapter))
+        rt.lora_paths[req.lora_name] = req.lora_path
+        return json_response({"object": "lora_adapter", "lora_name": req.lora_name,
+                              "status": "loaded"})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter() -> Response:
+        runtime_updates()
+        req = await read_body(UnloadLoraRequest)
+        rt = state.require_ready()
+        await asyncio.wrap_future(rt.scheduler.unload_lora(req.lora_name))
+        rt.lora_paths.pop(req.lora_name, None)
+        return json_response({"object": "lora_adapter", "lora_name": req.lora_name,
+                              "status": "unloaded"})
