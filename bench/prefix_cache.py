@@ -2,7 +2,8 @@
 
 Starts two `metrale serve` processes of this checkout on the default model (loopback ports,
 the same flags, one with `--no-prefix-cache`) and runs each workload against one, then the
-other (only one is ever busy), streaming chat with the official `openai` client:
+other, the order alternating from one workload to the next (only one is ever busy), streaming
+chat with the official `openai` client:
 
 1. multi-turn: C conversations at once, T turns each; every conversation has its own system
    prompt of about 400 tokens and each turn adds a user message of about 60 tokens (the
@@ -129,9 +130,12 @@ async def run_all(urls: dict[str, str], args) -> dict:
     clients = {name: AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600,
                                  max_retries=0) for name, url in urls.items()}
     out: dict[str, dict] = {name: {} for name in urls}
-    for workload, fn in (("multi-turn", multi_turn), ("shared", shared_prompt),
-                         ("no-reuse", no_reuse)):
-        for name, client in clients.items():
+    names = list(clients)
+    for i, (workload, fn) in enumerate((("multi-turn", multi_turn), ("shared", shared_prompt),
+                                        ("no-reuse", no_reuse))):
+        # Alternate which server goes first, so neither always meets a cold machine first.
+        for name in names if i % 2 == 0 else names[::-1]:
+            client = clients[name]
             print(f"{workload}: cache {name} ...", file=sys.stderr, flush=True)
             out[name][workload] = await fn(client, args)
     return out
