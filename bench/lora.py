@@ -47,8 +47,11 @@ def rate(engine: Engine, streams: int, steps: int, rows: np.ndarray | None) -> f
     """Decode tokens/s of `streams` rows; `rows`: each row's adapter slot (None: no slots)."""
     state = engine.init_decode_state()
     state, _ = engine.add(state, [(s, [1] * 16, SlotSettings()) for s in range(streams)])
-    if rows is not None:
-        engine.lora_rows[:streams] = rows
+    if rows is not None:  # each row's weight 1 on its slot (-1: none)
+        engine.lora_mix[:] = 0
+        for b, slot in enumerate(rows):
+            if slot >= 0:
+                engine.lora_mix[b, slot] = 1.0
     mask = np.arange(engine.config.max_slots) < streams
     for _ in range(2):
         state, out = engine.step(state, mask)

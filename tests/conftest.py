@@ -38,7 +38,6 @@ def xla_flags(devices: int | None = None) -> str:
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
-import jax  # noqa: E402 (after XLA_FLAGS and OMP_NUM_THREADS are set)
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,9 +47,11 @@ CACHE.mkdir(parents=True, exist_ok=True)
 # its cache folder from METRALE_JAX_CACHE: this one, never the user's ~/.cache/metrale/jax, so
 # a clean clone's run starts cold and shares one cache across its processes.
 os.environ["METRALE_JAX_CACHE"] = str(CACHE)
-jax.config.update("jax_compilation_cache_dir", str(CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# (imports jax: after XLA_FLAGS and OMP_NUM_THREADS are set)
+from metrale_jax.engine.engine import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache(str(CACHE))  # locked: two workers may compile the same program
 
 
 DEFAULT_MODEL_SHAPES = dict(max_slots=4, max_len=512, max_prefill_len=64)

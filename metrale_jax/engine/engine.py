@@ -66,9 +66,18 @@ Item = tuple[int, Sequence[int], SlotSettings]
 """One prompt for `Engine.add`: (slot, prompt token ids, settings)."""
 
 
+COMPILATION_CACHE_MAX_BYTES = 16 << 30
+"""The persistent compilation cache's size bound (least recently used entries go first)."""
+
+
 def enable_compilation_cache(folder: str | None) -> None:
     """Turns on JAX's persistent compilation cache in `folder` for every compile, small or fast
-    ones included (CPU compiles are quick but many). None leaves the setting alone."""
+    ones included (CPU compiles are quick but many). None leaves the setting alone.
+
+    The cache has a size bound, which makes JAX lock the folder (`filelock`) around each read
+    and write: processes sharing it (test workers, the processes of a multi-host server on
+    one machine, two servers) otherwise can read an entry another is still writing, and
+    loading a half-written executable crashes the process."""
     if folder is None:
         return
     folder = os.path.expanduser(folder)
@@ -76,6 +85,7 @@ def enable_compilation_cache(folder: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
 def _abstract(tree: Any) -> Any:
@@ -156,9 +166,10 @@ class Engine:
             jax.eval_shape(self._jit_init), ss)
         self._params_spec = abstract_params(self.params, self.mesh)
         # LoRA adapter slots (models/lora.py): per layer, per projection (a [N, in, R],
-        # b [N, R, out]), replicated; each row's slot (-1 = none) is host data.
+        # b [N, R, out]), replicated; each row's weight per slot (lora_mix [B, N], zeros:
+        # none) is host data.
         self.lora = None
-        self.lora_rows = np.full(B, -1, np.int32)
+        self.lora_mix = np.zeros((B, max(cfg.max_loras, 1)), np.float32)
         if cfg.max_loras:
             from metrale_jax.models.lora import MODULES
             from metrale_jax.weights.lora import module_shape
@@ -278,7 +289,7 @@ class Engine:
                 _spec((R,), i32), self._sampling_spec(R), self._mask_spec(R))
         lora_spec = rows_spec = None
         if self.lora is not None:
-            lora_spec, rows_spec = _abstract(self.lora), _spec((B,), i32)
+            lora_spec, rows_spec = _abstract(self.lora), _spec(self.lora_mix.shape, jnp.float32)
         return self._executable(("step", n, chunk, k), fn, self._params_spec, self._state_spec,
                                 _spec((B, cfg.pages_per_seq), i32), _spec((B,), jnp.bool_),
                                 self._mask_spec(B), chunk_spec, lora_spec, rows_spec)
@@ -316,7 +327,7 @@ class Engine:
         """An empty `DecodeState` (all rows idle, greedy); every page back in the pool."""
         self.pages.release_all()
         self.lengths[:] = 0
-        self.lora_rows[:] = -1
+        self.lora_mix[:] = 0
         return self._init_exe()()
 
     def _allowed(self, rows: int, allowed: np.ndarray | None):
@@ -342,7 +353,7 @@ class Engine:
         """Returns row `slot`'s pages to the pool (its request ended or was preempted)."""
         self.pages.release(slot)
         self.lengths[slot] = 0
-        self.lora_rows[slot] = -1
+        self.lora_mix[slot] = 0
 
     def reuse_prefix(self, slot: int, keys: Sequence[str], budget: int) -> int:
         """Row `slot` shares the longest run of cached pages with `keys` (the content keys of
@@ -433,7 +444,9 @@ class Engine:
         # A copy of the table: on CPU a queued step may read its NumPy inputs in place, and
         # the table changes before the next step.
         for p in pieces:
-            self.lora_rows[p.slot] = p.lora
+            self.lora_mix[p.slot] = 0
+            for lora_slot, weight in p.lora:
+                self.lora_mix[p.slot, lora_slot] = weight
         state, out = self._step_exe(n, C, 1)(self.params, state, self.pages.table.copy(),
                                              active, self._allowed(B, allowed), chunk,
                                              *self._lora_args())
@@ -444,10 +457,10 @@ class Engine:
         return state, out
 
     def _lora_args(self) -> tuple:
-        """The LoRA arguments of a step: the slots' weights and each row's slot (a copy)."""
+        """The LoRA arguments of a step: the slots' weights and each row's mix (a copy)."""
         if self.lora is None:
             return (None, None)
-        return (self.lora, self.lora_rows.copy())
+        return (self.lora, self.lora_mix.copy())
 
     def _seed(self, state: DecodeState, piece: Piece) -> DecodeState:
         """Runs the `seed` program for a piece whose row shares its prefix's pages."""
@@ -573,7 +586,8 @@ class Piece:
     there count as generated for the penalties); 0 = none. prefix: on a row's first piece
     when its positions before `start` are shared pages from the prefix cache, the token ids
     of those positions (they seed the row's token history); else empty. lora: the row's
-    LoRA adapter slot (-1 = none), for this piece and the row's decoding after it."""
+    LoRA adapters as (slot, weight) pairs (empty: none), for this piece and the row's
+    decoding after it."""
 
     slot: int
     tokens: tuple[int, ...]
@@ -581,7 +595,7 @@ class Piece:
     settings: SlotSettings | None
     first_generated: int = 0
     prefix: tuple[int, ...] = ()
-    lora: int = -1
+    lora: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def cut(cls, slot: int, ids: Sequence[int], settings: SlotSettings,

@@ -132,18 +132,18 @@ def _slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array, page_size: i
 def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: LayerParams,
                 state: DecodeState, page_table: jax.Array, active: jax.Array,
                 allowed: jax.Array, chunk: ChunkInputs | None, lora: tuple | None = None,
-                lora_rows: jax.Array | None = None) -> tuple[DecodeState, StepOutput]:
+                lora_mix: jax.Array | None = None) -> tuple[DecodeState, StepOutput]:
     """One engine call: k decode steps of rows `0 .. n-1`, or one step that also runs a chunk.
 
     page_table: [B, PPS] int32 (the host's `PageTable.table`, covering every position this
     call writes); active: [B] bool, the rows that decode (held rows keep their state);
     allowed: [B, W] uint32 grammar bitmasks of the decode rows; chunk: the prefill tier
     (None when `shape.chunk` is 0); lora: per layer the adapter slots' weights
-    (`models/lora.py`; None: an engine without adapters), lora_rows: [B] int32, each row's
-    adapter slot (-1 = none). State donated. Each decode row feeds its last token at its
-    position, samples the next with key `fold_in(keys[b], steps[b])` and advances; each
-    prompt that ends in the chunk samples its first token (step 0) from its last token and
-    its row becomes ready to decode. Returns the state and StepOutput `[k, B + R]`.
+    (`models/lora.py`; None: an engine without adapters), lora_mix: [B, N] float32, each
+    row's weight per adapter slot (zeros: none). State donated. Each decode row feeds its
+    last token at its position, samples the next with key `fold_in(keys[b], steps[b])` and
+    advances; each prompt that ends in the chunk samples its first token (step 0) from its
+    last token and its row becomes ready to decode. Returns the state and StepOutput `[k, B + R]`.
     """
     B, pps = state.tokens.shape[0], page_table.shape[1]
     page_size = state.pages[0].shape[1]
@@ -159,7 +159,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         dec_lens = jnp.where(live, jnp.minimum(dec_pos + 1, cap), 0)
         slots = _slot_of(dec_table, dec_pos, ok, page_size)
         tokens, positions = dec_tokens, dec_pos
-        lora_index = lora_rows[:n] if lora is not None else None
+        token_mix = lora_mix[:n] if lora is not None else None
         if C:
             real = chunk.rows >= 0
             rows = jnp.clip(chunk.rows, 0, B - 1)
@@ -169,7 +169,8 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
             positions = jnp.concatenate([dec_pos, chunk.positions])
             chunk_rows = chunk.rows
             if lora is not None:
-                lora_index = jnp.concatenate([lora_index, jnp.where(real, lora_rows[rows], -1)])
+                token_mix = jnp.concatenate(
+                    [token_mix, jnp.where(real[:, None], lora_mix[rows], 0.0)])
         else:
             chunk_rows = jnp.zeros((0,), jnp.int32)
         kernel = None
@@ -179,7 +180,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         layout = StepLayout(slots=slots, dec_table=dec_table, dec_lens=dec_lens,
                             chunk_rows=chunk_rows, page_table=page_table, kernel=kernel)
         return ragged_layers(graph, params, pages, tokens, positions, layout, n=n, lora=lora,
-                             lora_index=lora_index)
+                             lora_mix=token_mix)
 
     def decode_once(carry):
         pages, positions, tokens, steps_, history = carry

@@ -2,12 +2,14 @@
 
 An engine with LoRA holds, per decoder layer and per adaptable projection (`MODULES`, Hugging
 Face's names), the stacked adapters of its N slots: `a: [N, in, R]` and `b: [N, R, out]`, ranks
-zero-padded to the maximum R and each adapter's scale folded into its `b`. A token's adapter is
-data (`index: [T] int32`, -1 = none), so loading, switching and mixing adapters never compiles.
+zero-padded to the maximum R and each adapter's scale folded into its `b`. A token's adapters
+are data: `mix: [T, N] float32`, the weight of each slot for that token (a row of zeros: the base
+model; one 1.0: vLLM's one adapter per request; any scales: llama.cpp's per-request list), so
+loading, switching, scaling and mixing adapters never compiles.
 
-`lora_delta(weights, index)` returns the `layers.LoraDelta` the model's projections call: for
-input `x: [T, in]`, `sum_n [index == n] (x @ a[n]) @ b[n]`, computed as `x @ a` for all slots
-at once (`[T, N, R]`, small: N x R columns), masked to each token's slot, then one product with
+`lora_delta(weights, mix)` returns the `layers.LoraDelta` the model's projections call: for
+input `x: [T, in]`, `sum_n mix[:, n] (x @ a[n]) @ b[n]`, computed as `x @ a` for all slots at
+once (`[T, N, R]`, small: N x R columns), weighted by each token's mix, then one product with
 `b` seen as `[N * R, out]`. Its cost is about `2 T N R (in + out)` FLOPs per projection.
 """
 
@@ -19,12 +21,12 @@ import jax.numpy as jnp
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def lora_delta(weights: dict[str, tuple[jax.Array, jax.Array]], index: jax.Array):
+def lora_delta(weights: dict[str, tuple[jax.Array, jax.Array]], mix: jax.Array):
     """The per-token update function of one layer: weights[m] = (a [N, in, R], b [N, R, out]);
-    index: [T] int32 (-1 = no adapter). Returns `delta(module, x [..., T, in]) -> [..., T, out]`
-    (zeros for a module without weights)."""
+    mix: [T, N] float32, each token's weight per slot (zeros: no adapter). Returns
+    `delta(module, x [..., T, in]) -> [..., T, out]`."""
 
-    used = jnp.any(index >= 0)
+    used = jnp.any(mix != 0)
 
     def delta(module: str, x: jax.Array) -> jax.Array:
         a, b = weights[module]
@@ -33,9 +35,8 @@ def lora_delta(weights: dict[str, tuple[jax.Array, jax.Array]], index: jax.Array
 
         def compute(x):
             x2 = x.reshape(-1, x.shape[-1])
-            pick = (index[:, None] == jnp.arange(N, dtype=index.dtype)[None, :])
             xa = jnp.einsum("ti,nir->tnr", x2, a.astype(x.dtype))
-            xa = xa * pick[:, :, None].astype(x.dtype)
+            xa = xa * mix[:, :, None].astype(x.dtype)
             out = xa.reshape(x2.shape[0], N * R) @ b.astype(x.dtype).reshape(N * R, -1)
             return out.reshape(*lead, -1)
 

@@ -114,13 +114,13 @@ def kernel_layout(page_table: jax.Array, dec_lens: jax.Array, chunk_rows: jax.Ar
 def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
                   tokens: jax.Array, positions: jax.Array, layout: StepLayout, *,
                   n: int, lora: tuple | None = None,
-                  lora_index: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+                  lora_mix: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """The model over one ragged step's tokens, up to the final hidden states.
 
     tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
     docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows; lora: per layer the
-    adapter slots' weights (`models/lora.py`; None: no adapters), lora_index: [T] int32, each
-    token's adapter slot (-1 = none). Returns the
+    adapter slots' weights (`models/lora.py`; None: no adapters), lora_mix: [T, N] float32,
+    each token's weight per adapter slot (zeros: none). Returns the
     hidden states `[T, E]` (before the final norm: `head` turns chosen rows into logits) and
     the pools with this step's keys and values written.
     """
@@ -130,7 +130,7 @@ def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array
     for state, sliding, pool, lw in zip(params.layers, graph.cfg.layer_is_sliding, pages,
                                         layer_lora, strict=True):
         x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, layout, lw,
-                                lora_index, sliding=bool(sliding), n=n)
+                                lora_mix, sliding=bool(sliding), n=n)
         new_pages.append(pool)
     return x, tuple(new_pages)
 
@@ -141,14 +141,14 @@ def head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_def", "sliding", "n"))
-def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora_w, lora_index,
+def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora_w, lora_mix,
                   *, sliding: bool, n: int):
     """One decoder layer over a ragged step: x [T, E] -> ([T, E], the pool written); lora_w:
-    this layer's adapter weights (None: none), lora_index: [T] each token's slot."""
+    this layer's adapter weights (None: none), lora_mix: [T, N] each token's slot weights."""
     block = nnx.merge(block_def, state)
     attn = block.attn
     cfg = attn.cfg
-    delta = lora_delta(lora_w, lora_index) if lora_w is not None else None
+    delta = lora_delta(lora_w, lora_mix) if lora_w is not None else None
     q, k, v = attn._qkv(block.attn_norm(x)[None], positions[None], delta)
     q, k, v = q[0], k[0], v[0]  # [T, H, D], [T, K, D]
     pool = write_kv(pool, k, v, layout.slots)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from metrale_jax.engine.sampling_state import MAX_LOGIT_BIAS
@@ -62,7 +62,11 @@ class SamplingParams:
             choice, grammar): every token is drawn from what the grammar allows.
         thinking_budget: None, or a `scheduler.thinking.ThinkingBudgetSpec`: once the
             thinking reaches its budget of tokens, the end-of-thinking tokens are forced.
-        lora: the name of a LoRA adapter the scheduler holds (None: the base model).
+        lora: the LoRA adapters the scheduler holds to serve this request with: a name (at
+            weight 1), or {name: weight} (several at once, each update scaled by its weight:
+            llama.cpp's per-request list; {} is the base model). None: the scheduler's active
+            adapters (`Scheduler.set_active_lora`; none unless set). Kept as sorted
+            (name, weight) pairs.
     """
 
     max_tokens: int | None = 16
@@ -96,7 +100,7 @@ class SamplingParams:
     repetition_detection: RepetitionDetection | None = None
     constraint: Any = None
     thinking_budget: Any = None
-    lora: str | None = None
+    lora: str | dict[str, float] | tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidParameterError:
@@ -126,8 +130,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None:
             integer("seed")
-        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
-            raise bad("lora", "must be the name of a loaded LoRA adapter")
+        if self.lora is not None:
+            object.__setattr__(self, "lora", _lora_mix(self.lora, bad))
         if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -211,3 +215,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding takes the most likely token every step."""
         return self.temperature == 0.0
+
+
+def _lora_mix(lora: Any, bad: Callable[[str, str], Exception]) -> tuple[tuple[str, float], ...]:
+    """`SamplingParams.lora` as sorted (name, weight) pairs; raises `bad` when malformed."""
+    if isinstance(lora, str):
+        lora = {lora: 1.0}
+    elif isinstance(lora, tuple):
+        lora = dict(lora)
+    if not isinstance(lora, Mapping):
+        raise bad("lora", "must be an adapter's name or {name: weight}")
+    out = []
+    for name, weight in sorted(lora.items()):
+        if not isinstance(name, str) or not name:
+            raise bad("lora", "must name loaded LoRA adapters")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) \
+                or not math.isfinite(weight):
+            raise bad("lora", f"the weight of {name!r} must be a finite number")
+        out.append((name, float(weight)))
+    return tuple(out)

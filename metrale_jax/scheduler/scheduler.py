@@ -115,6 +115,8 @@ class Scheduler:
         self._lora_loads = itertools.count()
         self.lora_keys = {name: f"{name}#{next(self._lora_loads)}" for name in loras}
         self._unloading: dict[str, Future] = {}  # name -> the caller's future
+        # What a request naming no adapter gets: (name, weight) pairs (set_active_lora).
+        self.active_lora: tuple[tuple[str, float], ...] = ()
         self._lora_ops: collections.deque[tuple[Callable[[], Any], Future]] = \
             collections.deque()
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
@@ -155,12 +157,7 @@ class Scheduler:
                     f"{MAX_BAD_WORD_TOKENS} tokens each", param="bad_words")
         if request.params.constraint is not None:
             self.grammar.validate(request.params.constraint, self.engine.config.decode_steps)
-        lora = request.params.lora
-        if lora is not None and (lora not in self.lora_slots or lora in self._unloading):
-            known = ", ".join(sorted(set(self.lora_slots) - set(self._unloading))) or "none"
-            why = "is being unloaded" if lora in self._unloading else "is not loaded"
-            raise InvalidParameterError(f"the LoRA adapter {lora!r} {why} (loaded: {known})",
-                                        param="lora")
+        self._lora_mix(request.params.lora)
         wanted = request.params.max_tokens or 1
         if n + wanted > self.max_len:
             raise ContextLengthError(
@@ -181,10 +178,11 @@ class Scheduler:
         """
         self.check(request)
         handle = RequestHandle(request, self.cancel, loop)
-        lora = request.params.lora
+        mix = self._lora_mix(request.params.lora)
         seq = Sequence(request, handle, self.tokenizer, self.eos_token_ids, self.max_len,
-                       lora_slot=self.lora_slots[lora] if lora is not None else -1,
-                       lora_key=self.lora_keys[lora] if lora is not None else None)
+                       lora=tuple((self.lora_slots[name], w) for name, w in mix),
+                       lora_key=",".join(f"{self.lora_keys[name]}*{w!r}" for name, w in mix)
+                       or None)
         with self._lock:
             if not self._running:
                 raise BusyError("the scheduler is stopped")
@@ -194,6 +192,26 @@ class Scheduler:
             self._waiting.append(seq)
             self._wake.notify()
         return handle
+
+    def _lora_mix(self, lora: tuple[tuple[str, float], ...] | None
+                  ) -> tuple[tuple[str, float], ...]:
+        """A request's adapters, (name, weight) pairs without zero weights: its own choice, or
+        the active mix when it made none (None). Raises when one is not loaded."""
+        mix = self.active_lora if lora is None else lora
+        for name, _ in mix:
+            if name not in self.lora_slots or name in self._unloading:
+                known = ", ".join(sorted(set(self.lora_slots) - set(self._unloading))) or "none"
+                why = "is being unloaded" if name in self._unloading else "is not loaded"
+                raise InvalidParameterError(
+                    f"the LoRA adapter {name!r} {why} (loaded: {known})", param="lora")
+        return tuple((name, float(w)) for name, w in mix if w != 0)
+
+    def set_active_lora(self, mix: dict[str, float]) -> None:
+        """Sets the adapters a request that names none is served with (llama.cpp's global
+        scales, the reference design's slot -1): {name: weight}; {} for the base model.
+        Requests already queued keep the adapters they were given."""
+        with self._lock:
+            self.active_lora = self._lora_mix(tuple(mix.items()))
 
     def load_lora(self, name: str, adapter: Any) -> Future:
         """Loads `adapter` (a `weights.lora.LoraAdapter`) into a free slot under `name`, on
@@ -211,6 +229,7 @@ class Scheduler:
                     f"no LoRA adapter {name!r} is loaded", param="lora_name"))
             else:
                 self._unloading[name] = future  # from now on `check` refuses it
+                self.active_lora = tuple((n, w) for n, w in self.active_lora if n != name)
                 self._wake.notify()
         return future
 
@@ -234,8 +253,8 @@ class Scheduler:
         for name, future in list(self._unloading.items()):
             slot = self.lora_slots[name]
             with self._lock:
-                waiting = [s for s in self._waiting if s.lora_slot == slot]
-            if waiting or any(s is not None and s.lora_slot == slot for s in self._slots):
+                waiting = [s for s in self._waiting if _uses(s, slot)]
+            if waiting or any(s is not None and _uses(s, slot) for s in self._slots):
                 continue
             self.engine.set_lora(slot, None)
             del self.lora_slots[name], self.lora_keys[name], self._unloading[name]
@@ -522,7 +541,7 @@ class Scheduler:
                         self.stats["prefix_cache_hits"] += seq.cached_tokens
             self.engine.reserve(slot, end)
             out.append((Piece(slot, tuple(seq.feed[start:end]), start, settings,
-                              first_generated, prefix, seq.lora_slot), seq))
+                              first_generated, prefix, seq.lora), seq))
             used += size
             if start:
                 flops_left -= cost.piece_flops(size, start)
@@ -641,3 +660,8 @@ def _start_copy(output: Any) -> None:
         arr = getattr(output, name, None)
         if hasattr(arr, "copy_to_host_async"):
             arr.copy_to_host_async()
+
+
+def _uses(seq: Sequence, lora_slot: int) -> bool:
+    """Whether `seq` is served with the adapter in engine LoRA slot `lora_slot`."""
+    return any(slot == lora_slot for slot, _ in seq.lora)

@@ -22,8 +22,8 @@ class Sequence:
     """
 
     def __init__(self, request: GenerationRequest, handle: RequestHandle, tokenizer,
-                 eos_token_ids: tuple[int, ...], max_len: int, lora_slot: int = -1,
-                 lora_key: str | None = None):
+                 eos_token_ids: tuple[int, ...], max_len: int,
+                 lora: tuple[tuple[int, float], ...] = (), lora_key: str | None = None):
         from metrale_jax.text import IncrementalDetokenizer
 
         self.request = request
@@ -57,8 +57,9 @@ class Sequence:
         # whether the row's token history is set (its first piece ran), and the prompt tokens
         # shared at the first admission (usage's cached_tokens; None until then).
         from metrale_jax.engine.prefix_cache import root_key
-        # The adapter changes every key and value: it is part of the root.
-        self.lora_slot = lora_slot
+        # The adapters ((engine slot, weight) pairs; empty: none) change every key and value:
+        # `lora_key` (which loads, at which weights) is part of the root.
+        self.lora = lora
         self.cache_root = root_key(request.tenant, request.cache_salt, lora_key)
         self.page_keys: list[str] = []
         self.keyed = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
 from metrale_jax.errors import MetraleError
@@ -27,6 +28,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MetraleError(f"{len(args.loras)} LoRA adapters for --max-loras {args.max_loras}")
     if args.max_lora_rank < 1:
         raise MetraleError("--max-lora-rank must be >= 1")
+    args.active_lora = _active_lora_flags(args.active_lora, args.loras)
     pid, processes = init_distributed(args)
     if processes == 1:
         return _serve(args, 0, 1)
@@ -59,6 +61,23 @@ def _lora_flags(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _active_lora_flags(values: list[str], loras: dict[str, str]) -> dict[str, float]:
+    """--active-lora NAME[=SCALE] values as {name: scale}; each must name a --lora adapter."""
+    out: dict[str, float] = {}
+    for value in values:
+        name, sep, scale = value.partition("=")
+        if name not in loras:
+            raise MetraleError(f"--active-lora {value!r}: no --lora adapter is named {name!r}")
+        try:
+            out[name] = float(scale) if sep else 1.0
+        except ValueError:
+            raise MetraleError(f"--active-lora {value!r}: expected NAME or NAME=SCALE") \
+                from None
+        if not math.isfinite(out[name]):
+            raise MetraleError(f"--active-lora {value!r}: the scale must be a finite number")
+    return out
+
+
 def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
     from serving.http.server import serve
     from serving.http.settings import ServerSettings
@@ -78,6 +97,7 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
         max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, loras=args.loras,
+        active_lora=args.active_lora,
         enable_lora_runtime_updates=args.enable_lora_runtime_updates)
     from serving.progress import StageProgress
     for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.scheduler.multihost"):
@@ -153,6 +173,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      default=[], metavar="NAME=PATH",
                      help="serve the PEFT LoRA adapter in folder PATH as model NAME (requests "
                           "send \"model\": NAME); repeatable (vLLM's --lora-modules)")
+    srv.add_argument("--active-lora", action="append", default=[], metavar="NAME[=SCALE]",
+                     help="serve requests that name no adapter (by model or lora) with the "
+                          "--lora adapter NAME at SCALE (default 1); repeatable, the updates "
+                          "add up; POST /lora-adapters changes it while serving")
     srv.add_argument("--enable-lora-runtime-updates", action="store_true",
                      help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     srv.add_argument("--max-loras", type=int, default=4,

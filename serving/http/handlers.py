@@ -55,7 +55,7 @@ def _timeout(state: ServerState, requested: float | None) -> float | None:
 def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str) -> Prepared:
     """Validates a chat request against the model, renders and tokenizes it, submits it."""
     rt = state.require_ready()
-    lora = state.check_model(req.model)
+    lora = state.check_model(req.model, req.lora)
     req.validate_semantics()
     prompt = rt.encode_chat(req.template_messages(),
                             add_generation_prompt=req.add_generation_prompt,
@@ -82,7 +82,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
                        request_id: str) -> Prepared:
     """Validates a completion request, tokenizes its prompts, submits every choice."""
     rt = state.require_ready()
-    lora = state.check_model(req.model)
+    lora = state.check_model(req.model, req.lora)
     req.validate_semantics()
     prompts, texts = [], []
     for p in req.prompts:

@@ -37,6 +37,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class LoraScale(BaseModel):
+    """One adapter of llama.cpp's `lora` list: its `id` (GET /lora-adapters) and `scale`."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Annotated[int, Field(ge=0)]
+    scale: Annotated[float, Field(allow_inf_nan=False)]
+
+
+def lora_weights(items: list[LoraScale], names: dict[int, str]) -> dict[str, float]:
+    """llama.cpp's `[{"id", "scale"}]` as {adapter name: weight}; `names`: id -> name of the
+    loaded adapters. Raises `InvalidParameterError` (param "lora") for an unknown or repeated
+    id."""
+    out: dict[str, float] = {}
+    for item in items:
+        if item.id not in names:
+            known = ", ".join(str(i) for i in sorted(names)) or "none"
+            raise InvalidParameterError(f"no LoRA adapter has id {item.id} (ids: {known}; "
+                                        "GET /lora-adapters lists them)", param="lora")
+        if names[item.id] in out:
+            raise InvalidParameterError(f"the LoRA adapter id {item.id} is given twice",
+                                        param="lora")
+        out[names[item.id]] = item.scale
+    return out
+
+
 class _Sampling(_Body):
     """The sampling fields shared by chat and completions."""
 
@@ -87,6 +112,10 @@ class _Sampling(_Body):
     # vLLM's: a secret that keeps this request's prefix-cache pages apart from requests
     # without the same salt (one caller cannot learn another's prompts from timing).
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # llama.cpp's: the LoRA adapters of this request and their scales (an adapter not listed
+    # gets 0; [] is the base model). Without it: the adapter named by `model`, else the
+    # server's active adapters (POST /lora-adapters).
+    lora: list[LoraScale] | None = None
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -101,6 +101,7 @@ class ModelRuntime:
                 self.scheduler.wait_ready()
                 if self.scheduler.startup_error is not None:
                     raise self.scheduler.startup_error
+                self.scheduler.set_active_lora(s.active_lora)
             if self.state == "warming_up":
                 self.state = "ready"
             log.info("ready: %s (%d programs compiled)", s.model_name, engine.compile_count)
@@ -234,6 +235,19 @@ class ModelRuntime:
                  "owned_by": "metrale", "root": str(path),
                  "parent": self.settings.model_name, "max_model_len": self.max_len}
                 for name, path in list(self.lora_paths.items())]
+
+    def lora_ids(self) -> dict[int, str]:
+        """The loaded LoRA adapters by id (llama.cpp's: here the engine slot each one holds)."""
+        return {slot: name for name, slot in list(self.scheduler.lora_slots.items())
+                if name in self.lora_paths}
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """GET /lora-adapters: each loaded adapter's id, name, path and its scale in the
+        active mix (what a request that names no adapter gets)."""
+        active = dict(self.scheduler.active_lora)
+        return [{"id": slot, "name": name, "path": self.lora_paths.get(name, ""),
+                 "scale": active.get(name, 0.0)}
+                for slot, name in sorted(self.lora_ids().items())]
 
     # ---- text --------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -32,6 +32,8 @@ class ServerSettings:
         when the chat template knows `<think>`); serving/http/reasoning.py.
     loras: LoRA adapters served beside the base model, {name: PEFT adapter folder}; a request
         picks one by sending its name as `model` (the engine's `max_loras` slots hold them).
+    active_lora: the adapters (of `loras`) a request that names none is served with, {name:
+        scale}; POST /lora-adapters changes them while serving (llama.cpp's global scales).
     enable_lora_runtime_updates: POST /v1/load_lora_adapter and /v1/unload_lora_adapter work
         (otherwise they answer 400).
     """
@@ -55,6 +57,7 @@ class ServerSettings:
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     loras: dict[str, str] = dataclasses.field(default_factory=dict)
+    active_lora: dict[str, float] = dataclasses.field(default_factory=dict)
     enable_lora_runtime_updates: bool = False
 
     @property

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
-from metrale_jax.errors import ModelNotFoundError
+from metrale_jax.errors import InvalidParameterError, ModelNotFoundError
 from serving.http.errors import UnavailableError
 from serving.http.metrics import Metrics
 from serving.http.runtime import ModelRuntime
@@ -65,18 +66,25 @@ class ServerState:
                                    code="not_ready", retry_after=5)
         return rt
 
-    def check_model(self, model: str | None) -> str | None:
+    def check_model(self, model: str | None, lora: list[Any] | None = None
+                    ) -> str | dict[str, float] | None:
         """404 unless `model` is the served model's name, one of its LoRA adapters' names,
-        or omitted; returns the adapter's name (None: the base model)."""
+        or omitted. Returns the request's `SamplingParams.lora`: its llama.cpp `lora` list
+        ({name: scale}), else the adapter `model` names, else None (the active adapters)."""
         name = self.settings.model_name
-        if model is None or model == name:
-            return None
         served = self.runtime.lora_paths
-        if model in served:
-            return model
-        adapters = f" and the LoRA adapters {sorted(served)}" if served else ""
-        raise ModelNotFoundError(f"the model {model!r} does not exist; this server "
-                                 f"serves {name!r}{adapters}")
+        if model is not None and model != name and model not in served:
+            adapters = f" and the LoRA adapters {sorted(served)}" if served else ""
+            raise ModelNotFoundError(f"the model {model!r} does not exist; this server "
+                                     f"serves {name!r}{adapters}")
+        if lora is not None:
+            if model in served:
+                raise InvalidParameterError(
+                    f"the request names the LoRA adapter {model!r} as its model and also "
+                    "lists adapters in lora: give one or the other", param="lora")
+            from serving.http.protocol import lora_weights
+            return lora_weights(lora, self.runtime.lora_ids())
+        return model if model in served else None
 
     async def drain(self, grace: float | None = None) -> None:
         """Stops accepting, lets in-flight requests finish within `grace` s, cancels the rest.

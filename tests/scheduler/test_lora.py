@@ -1,7 +1,8 @@
 """LoRA adapters per request through the batching loop, against PEFT on transformers (float32).
 
 One engine serves three adapters of a tiny random Llama at once: attention only (rank 1), MLP
-only (rank 8) and every projection (rank 16, rsLoRA), padded to the engine's rank 16.
+only (rank 8) and every projection (rank 16, rsLoRA), padded to the engine's rank 16; a request
+takes one, a weighted mix of several (llama.cpp's scales), or the scheduler's active ones.
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ PROMPTS = [[1, 5, 9, 33, 70, 2, 8], list(range(40, 75)), [7] * 3 + [300, 301]]
 
 
 @pytest.fixture(scope="module")
-def lora_setup(tmp_path_factory):
+def lora_root(tmp_path_factory):
+    """The folder of the base model ("base") and the adapters (by name)."""
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def lora_setup(lora_root):
     """(LLM with the three adapters, {name: PEFT model}, base transformers model)."""
     from metrale_jax import LLM
-    root = tmp_path_factory.mktemp("lora")
+    root = lora_root
     base = build_hf_model("llama", root / "base")
     save_tiny_tokenizer(root / "base")
     peft_models = {}
@@ -120,6 +127,65 @@ def test_pages_are_never_shared_across_adapters(lora_setup):
     assert cached(None) == 0
     assert cached("mlp") == 0
     assert cached("attn") == 64
+    # The weights are part of the key: the same adapter at another scale is another model.
+    assert cached({"attn": 0.5}) == 0
+    assert cached({"attn": 0.5}) == 64
+
+
+def _peft_mix(root, weights: dict[str, float]):
+    """A PEFT model with the adapters of `weights` all active, each update times its weight."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    names = list(weights)
+    model = PeftModel.from_pretrained(build_hf_model("llama", root / "copy-mix"),
+                                      root / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(root / name, adapter_name=name)
+    model.base_model.set_adapter(names)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name, w in weights.items():
+                if name in module.scaling:
+                    module.scaling[name] *= w
+    return model.eval()
+
+
+@pytest.mark.parametrize("weights", [{"attn": 0.5}, {"attn": 1.0, "mlp": 0.7},
+                                     {"all": -0.6, "mlp": 1.3, "attn": 2.0}])
+def test_weighted_mixes_of_adapters_match_peft(lora_setup, lora_root, weights):
+    llm = lora_setup[0]
+    reference = _peft_mix(lora_root, weights)
+    for ids in PROMPTS[:2]:
+        ref = _reference(reference, ids)
+        token, top = _first(llm, ids, weights)
+        assert token == int(ref.argmax())
+        ids_top = [t for t, _ in top]
+        np.testing.assert_allclose([lp for _, lp in top], ref[ids_top], rtol=1e-4, atol=1e-5)
+
+
+def test_requests_naming_no_adapter_get_the_active_ones(lora_setup):
+    llm = lora_setup[0]
+    sched = llm.scheduler
+    ids = PROMPTS[1]
+    plain = _first(llm, ids, {})
+    try:
+        sched.set_active_lora({"attn": 1.0, "mlp": 0.0})
+        assert sched.active_lora == (("attn", 1.0),)
+        assert _first(llm, ids, None) == _first(llm, ids, "attn") != plain
+        assert _first(llm, ids, {}) == plain  # an explicit empty choice: the base model
+        with pytest.raises(InvalidParameterError, match="'nope' is not loaded"):
+            sched.set_active_lora({"nope": 1.0})
+        assert sched.active_lora == (("attn", 1.0),)  # a refusal changes nothing
+        # Unloading an active adapter takes it out of the active mix at once.
+        sched.load_lora("extra", llm.loras["mlp"]).result(60)
+        sched.set_active_lora({"extra": 1.0, "attn": 1.0})
+        assert _first(llm, ids, None) == _first(llm, ids, {"mlp": 1.0, "attn": 1.0})
+        done = sched.unload_lora("extra")
+        assert sched.active_lora == (("attn", 1.0),)
+        done.result(60)
+    finally:
+        sched.set_active_lora({})
+    assert _first(llm, ids, None) == plain
 
 
 def test_an_unknown_adapter_is_refused(lora_setup):
@@ -128,6 +194,13 @@ def test_an_unknown_adapter_is_refused(lora_setup):
         llm.scheduler.submit(GenerationRequest.make([1, 2], SamplingParams(lora="nope")))
     with pytest.raises(InvalidParameterError, match="lora"):
         SamplingParams(lora="")
+    with pytest.raises(InvalidParameterError, match="finite"):
+        SamplingParams(lora={"attn": float("nan")})
+    with pytest.raises(InvalidParameterError, match="lora"):
+        SamplingParams(lora=3)
+    with pytest.raises(InvalidParameterError, match="adapter 'nope' is not loaded"):
+        llm.scheduler.submit(GenerationRequest.make([1, 2], SamplingParams(
+            lora={"attn": 1.0, "nope": 0.5})))
 
 
 def test_adapters_load_and_unload_while_serving_without_compiling(lora_setup):
@@ -165,10 +238,11 @@ def test_adapters_load_and_unload_while_serving_without_compiling(lora_setup):
     assert sched.engine.compile_count == compiles
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2"])
 def test_other_architectures_match_peft(arch, tmp_path):
-    """q/k norms (Qwen3), post norms, soft caps, sliding windows and GELU (Gemma 2): the
-    update goes where PEFT puts it. (Every architecture shares these projections' code.)"""
+    """Every other architecture we load: rope scaling (Llama 3), sliding windows (Mistral),
+    q/k/v biases (Qwen2), q/k norms (Qwen3), GELU and scaled embeddings (Gemma), post norms
+    and soft caps (Gemma 2): the update goes where PEFT puts it."""
     from metrale_jax import LLM
     build_hf_model(arch, tmp_path / "base")
     save_tiny_tokenizer(tmp_path / "base")

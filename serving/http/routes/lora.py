@@ -1,20 +1,28 @@
-"""vLLM's runtime LoRA routes: POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST
-/v1/unload_lora_adapter {"lora_name"}, refused (400) unless the server was started with
-`--enable-lora-runtime-updates`. A loaded adapter is served as model `lora_name` at once and
-listed by /v1/models; unloading refuses new requests for it at once and answers when the
-requests already using it have ended (their answers complete)."""
+"""The LoRA routes.
+
+vLLM's: POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST /v1/unload_lora_adapter
+{"lora_name"}, refused (400) unless the server was started with `--enable-lora-runtime-updates`.
+A loaded adapter is served as model `lora_name` at once and listed by /v1/models; unloading
+refuses new requests for it at once and answers when the requests already using it have ended
+(their answers complete).
+
+llama.cpp's: GET /lora-adapters lists the loaded adapters ({"id", "name", "path", "scale"});
+POST /lora-adapters [{"id", "scale"}, ...] sets the active adapters' scales (an adapter not
+listed gets 0), which is what a request that names no adapter (by `model` or `lora`) is served
+with. Requests already queued keep what they were given."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated
 
 from pydantic import Field
-from quart import Quart, Response
+from quart import Quart, Response, request
 
 from metrale_jax.errors import InvalidParameterError
 from serving.http.bodies import json_response, read_body
-from serving.http.protocol import _Body
+from serving.http.protocol import LoraScale, _Body, lora_weights, parse
 from serving.http.state import ServerState
 
 
@@ -31,8 +39,14 @@ class UnloadLoraRequest(_Body):
     lora_name: Annotated[str, Field(min_length=1)]
 
 
+class LoraScales(_Body):
+    """The body of POST /lora-adapters (a JSON list, read into `lora`)."""
+
+    lora: list[LoraScale]
+
+
 def register(app: Quart, state: ServerState) -> None:
-    """Adds /v1/load_lora_adapter and /v1/unload_lora_adapter to `app`."""
+    """Adds /v1/load_lora_adapter, /v1/unload_lora_adapter and /lora-adapters to `app`."""
 
     def runtime_updates() -> None:
         if not state.settings.enable_lora_runtime_updates:
@@ -66,3 +80,21 @@ def register(app: Quart, state: ServerState) -> None:
         rt.lora_paths.pop(req.lora_name, None)
         return json_response({"object": "lora_adapter", "lora_name": req.lora_name,
                               "status": "unloaded"})
+
+    @app.get("/lora-adapters")
+    async def lora_adapters() -> Response:
+        return json_response(state.require_ready().lora_adapters())
+
+    @app.post("/lora-adapters")
+    async def set_lora_scales() -> Response:
+        rt = state.require_ready()
+        try:
+            body = json.loads(await request.get_data(as_text=False))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidParameterError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, list):
+            raise InvalidParameterError('the body must be a JSON list of {"id", "scale"}',
+                                        param="lora")
+        scales = parse(LoraScales, {"lora": body}).lora
+        rt.scheduler.set_active_lora(lora_weights(scales, rt.lora_ids()))
+        return json_response({"success": True})

@@ -88,6 +88,9 @@ def test_serve_refuses_a_prefix_cache_share_outside_0_to_1(share, tiny):
     (["--lora", "no-equals-sign"], "expected NAME=PATH"),
     (["--lora", "a=/x", "--lora-modules", "a=/y"], "given twice"),
     (["--lora", "a=/x", "b=/y", "--max-loras", "1"], "--max-loras 1"),
+    (["--lora", "a=/x", "--active-lora", "b"], "no --lora adapter is named 'b'"),
+    (["--lora", "a=/x", "--active-lora", "a=big"], "expected NAME or NAME=SCALE"),
+    (["--lora", "a=/x", "--active-lora", "a=inf"], "finite"),
 ])
 def test_serve_refuses_bad_lora_flags(args, needle, tiny):
     r = metrale("serve", "--model", str(tiny), "--port", "0", *args)

@@ -1,5 +1,7 @@
-"""LoRA adapters over HTTP (vLLM's convention): listed by /v1/models with their parent, picked
-by `model`, answered as PEFT answers; unknown names are refused in OpenAI's shape."""
+"""LoRA adapters over HTTP. vLLM's convention: listed by /v1/models with their parent, picked
+by `model`, answered as PEFT answers; unknown names are refused in OpenAI's shape. llama.cpp's:
+a request's `lora` list of ids and scales, and the active adapters of GET/POST /lora-adapters
+that a request naming none is served with."""
 
 from __future__ import annotations
 
@@ -101,6 +103,73 @@ def test_adapters_load_and_unload_at_runtime(lora_server, schemas):
     assert status == 400 and err["error"]["code"] == "model_not_found"
     status, _, err = post(url, "/v1/unload_lora_adapter", {"lora_name": "sql2"})
     assert status == 400 and "no LoRA adapter 'sql2'" in err["error"]["message"]
+
+
+def _answer(client, model: str, ids: list[int], **extra) -> int:
+    out = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0,
+                                    extra_body={"return_token_ids": True, **extra})
+    return out.choices[0].token_ids[0]
+
+
+def test_llama_cpp_lora_lists_and_active_adapters(lora_server, schemas):
+    import openai
+    srv, base, peft_model, root = lora_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    ids = [1, 40, 41, 42, 43, 9, 77]
+    listed = get_json(srv.url, "/lora-adapters")
+    assert [(a["name"], a["scale"]) for a in listed] == [("sql", 0.0)]
+    assert listed[0]["path"] == str(root / "sql")
+    sql_id = listed[0]["id"]
+    with_sql, plain = _reference_token(peft_model, ids), _reference_token(base, ids)
+    assert with_sql != plain
+    # Per request: the listed adapters at their scales; one not listed gets 0.
+    assert _answer(client, BASE, ids, lora=[{"id": sql_id, "scale": 1.0}]) == with_sql
+    assert _answer(client, BASE, ids, lora=[{"id": sql_id, "scale": 0.0}]) == plain
+    assert _answer(client, BASE, ids, lora=[]) == plain
+    # The active adapters: what a request that names none gets.
+    status, _, body = post(srv.url, "/lora-adapters", [{"id": sql_id, "scale": 1.0}])
+    assert status == 200 and body == {"success": True}
+    try:
+        assert get_json(srv.url, "/lora-adapters")[0]["scale"] == 1.0
+        assert _answer(client, BASE, ids) == with_sql
+        assert _answer(client, BASE, ids, lora=[]) == plain  # its own choice wins
+        chat = client.chat.completions.create(
+            model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            temperature=0, extra_body={"return_token_ids": True})
+        chat_plain = client.chat.completions.create(
+            model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            temperature=0, extra_body={"return_token_ids": True, "lora": []})
+        named = client.chat.completions.create(
+            model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            temperature=0, extra_body={"return_token_ids": True})
+        assert chat.choices[0].token_ids == named.choices[0].token_ids
+        assert chat.choices[0].token_ids != chat_plain.choices[0].token_ids
+    finally:
+        post(srv.url, "/lora-adapters", [])
+    assert get_json(srv.url, "/lora-adapters")[0]["scale"] == 0.0
+    assert _answer(client, BASE, ids) == plain
+    # Bad input: 400s in OpenAI's shape, naming the parameter.
+    bad = [
+        ("/v1/completions", {"prompt": "hi", "lora": [{"id": 7, "scale": 1}]},
+         "no LoRA adapter has id 7"),
+        ("/v1/completions", {"prompt": "hi", "lora": [{"id": sql_id, "scale": 1},
+                                                      {"id": sql_id, "scale": 2}]}, "twice"),
+        ("/v1/completions", {"model": "sql", "prompt": "hi",
+                             "lora": [{"id": sql_id, "scale": 1}]}, "one or the other"),
+        ("/v1/completions", {"prompt": "hi", "lora": [{"id": sql_id}]}, "scale"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "lora": [{"id": sql_id, "scale": "big"}]}, "scale"),
+        ("/lora-adapters", {"id": sql_id, "scale": 1}, "JSON list"),
+        ("/lora-adapters", [{"id": 9, "scale": 1}], "no LoRA adapter has id 9"),
+        ("/lora-adapters", "[{\"id\": 0, \"scale\": NaN}]", "scale"),
+    ]
+    for path, body_in, needle in bad:
+        status, _, err = post(srv.url, path, body_in)
+        assert status == 400, (body_in, err)
+        schemas.error(err)
+        assert needle in err["error"]["message"], err
+        assert err["error"]["param"].startswith("lora"), err
+    assert get_json(srv.url, "/lora-adapters")[0]["scale"] == 0.0
 
 
 def test_runtime_updates_are_off_unless_enabled(base_url, schemas):

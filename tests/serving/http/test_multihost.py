@@ -4,7 +4,8 @@ Each process has 4 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_
 jax.distributed over a loopback coordinator, CPU collectives through gloo. The model is a
 tiny random Llama with 8 heads and 4 kv heads, so the mesh really splits heads over all 8
 devices (kv heads replicated). Checked: a request to process 0 gives the tokens of a
-single-process run; process 1 answers only /health; a process that dies makes the other fail
+single-process run, with and without a LoRA adapter (given at start-up, or loaded at runtime:
+every process reads it); process 1 answers only /health; a process that dies makes the other fail
 its in-flight request with a clear error and exit non-zero (`EXIT_PEER_LOST`) within a
 timeout.
 """
@@ -61,6 +62,18 @@ def model(tmp_path_factory) -> Path:
     return _build_model(tmp_path_factory.mktemp("tiny-h8"))
 
 
+@pytest.fixture(scope="module")
+def adapter(model, tmp_path_factory) -> Path:
+    """A PEFT adapter (rank 8, every projection) of `model`."""
+    import transformers
+
+    from tests.weights.test_lora import ATTN, MLP, make_adapter
+    folder = tmp_path_factory.mktemp("tiny-h8-lora")
+    make_adapter(transformers.LlamaForCausalLM.from_pretrained(model), folder, ATTN + MLP,
+                 r=8, alpha=12, seed=3)
+    return folder
+
+
 def _free_port_pair() -> int:
     """A loopback port P with P + 1 free as well (the coordinator and the side channel)."""
     for _ in range(100):
@@ -82,7 +95,7 @@ def _free_port_pair() -> int:
 class Pair:
     """Two `metrale serve` processes of one server; `urls[i]` once both printed theirs."""
 
-    def __init__(self, model: Path, tmp_path: Path):
+    def __init__(self, model: Path, tmp_path: Path, extra: tuple[str, ...] = ()):
         port = _free_port_pair()
         env = {**os.environ, "XLA_FLAGS": xla_flags(4),
                "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
@@ -93,7 +106,7 @@ class Pair:
             cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", str(model),
                    "--port", "0", *SHAPES, "--mesh", "data=1,model=8",
                    "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                   "--process-id", str(i), "--request-timeout", "300"]
+                   "--process-id", str(i), "--request-timeout", "300", *extra]
             self.procs.append(subprocess.Popen(
                 cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
                 stderr=self.logs[i].open("w")))
@@ -129,24 +142,33 @@ class Pair:
                 p.wait()
 
 
+LORA = ("--max-loras", "2", "--max-lora-rank", "8")
+
+
 @pytest.fixture(scope="module")
-def reference(model) -> dict:
-    """The single-process greedy run (one device, the same engine shapes)."""
+def reference(model, adapter) -> dict:
+    """The single-process greedy run (one device, the same engine shapes), without and with
+    the adapter."""
     from metrale_jax import LLM, SamplingParams
     llm = LLM(str(model), max_slots=2, max_len=256, max_prefill_len=16,
-              compilation_cache_dir=str(CACHE))
+              compilation_cache_dir=str(CACHE), max_loras=2, max_lora_rank=8,
+              loras={"sql": adapter})
     try:
         ids = llm.tokenizer.encode(PROMPT)
-        out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0,
-                                                 ignore_eos=True))[0]
+        out, lora = llm.generate([ids, ids], [
+            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, lora=lora)
+            for lora in (None, "sql")])
     finally:
         llm.close()
-    return {"prompt_ids": ids, "token_ids": list(out.token_ids)}
+    assert list(lora.token_ids) != list(out.token_ids)
+    return {"prompt_ids": ids, "token_ids": list(out.token_ids),
+            "lora_token_ids": list(lora.token_ids)}
 
 
-def _completion(url: str, model: Path, **fields) -> tuple[int, dict]:
+def _completion(url: str, served: Path, **fields) -> tuple[int, dict]:
+    """A greedy completion of the model served from folder `served` (or `model=` another)."""
     status, _, body = post(url, "/v1/completions", {
-        "model": str(model), "prompt": PROMPT, "temperature": 0, "ignore_eos": True,
+        "model": str(served), "prompt": PROMPT, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True, **fields})
     return status, body
 
@@ -192,9 +214,10 @@ class _Stream:
 
 
 @pytest.mark.slow
-def test_two_processes_serve_like_one_and_fail_cleanly_when_one_dies(model, reference,
-                                                                     tmp_path):
-    pair = Pair(model, tmp_path)
+def test_two_processes_serve_like_one_and_fail_cleanly_when_one_dies(model, adapter,
+                                                                     reference, tmp_path):
+    pair = Pair(model, tmp_path, (*LORA, "--lora", f"sql={adapter}",
+                                  "--enable-lora-runtime-updates"))
     try:
         leader, follower = pair.urls
         status, body = _completion(leader, model, max_tokens=16)
@@ -210,6 +233,17 @@ def test_two_processes_serve_like_one_and_fail_cleanly_when_one_dies(model, refe
         assert status == 200, body
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
         assert body["choices"][0]["token_ids"] == reference["token_ids"][15:16]
+        # An adapter, from start-up and loaded at runtime (the follower loads it too, into
+        # the same slot, or its heads would compute without it).
+        status, body = _completion(leader, model, max_tokens=16, model="sql")
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == reference["lora_token_ids"]
+        status, _, body = post(leader, "/v1/load_lora_adapter",
+                               {"lora_name": "sql2", "lora_path": str(adapter)})
+        assert status == 200, body
+        status, body = _completion(leader, model, max_tokens=16, model="sql2")
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == reference["lora_token_ids"]
         # the follower: /health only
         assert _status(follower, "/health") == 200
         assert _status(follower, "/v1/models") == 404
