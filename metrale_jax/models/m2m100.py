@@ -1,0 +1,568 @@
+"""M2M100 / NLLB-200: the encoder-decoder translation transformer, as a Flax NNX model.
+
+This is transformers' `M2M100ForConditionalGeneration` as NLLB-200 uses it: pre-norm encoder
+and decoder layers (LayerNorm with bias), a final LayerNorm on each stack, sinusoidal position
+embeddings with fairseq's padding offset (a token's embedding index is `pad_token_id + 1 +` its
+position; a pad token gets the all-zero row `pad_token_id`), token embeddings shared by the
+encoder, the decoder and the (tied) LM head and scaled by sqrt(d_model), bidirectional encoder
+self-attention over a padding mask, causal decoder self-attention, decoder cross-attention
+over the encoder output, and a ReLU (or GELU) feed-forward block.
+
+Dimension letters: `V` vocab, `E` d_model, `F` ffn dim, `H` heads, `D` head dim (E // H),
+`B` batch, `S` source length, `T` decoder tokens of this step, `P` decoder cache length,
+`L` layers. Parameters use the [in, out] layout (`q_proj: [E, H, D]`, `o_proj: [H, D, E]`);
+each stack's layers are stacked `[L, ...]` and run with `jax.lax.scan`.
+
+Compute convention (as `models/layers.py`): activations in the params dtype; layer norms,
+softmax and logits in float32.
+
+The pieces an engine needs, all pure functions of the module's state:
+- `encode(input_ids, attention_mask) -> encoder_out [B, S, E]`, once per request;
+- `cross_kv(encoder_out) -> CrossKV` (keys/values of every decoder layer's cross-attention,
+  `[L, B, S, H, D]`), once per request;
+- `decode(decoder_input_ids, positions, cross, encoder_mask, self_kv_cache)` -> logits and the
+  self-attention cache, for a whole teacher-forced sequence or step by step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from metrale_jax.errors import CheckpointError, UnsupportedModelError
+from metrale_jax.models.layers import AxesTable
+from metrale_jax.models.transformer import stacked_axes
+
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish")
+MODEL_TYPES: tuple[str, ...] = ("m2m_100",)
+
+
+@dataclasses.dataclass(frozen=True)
+class M2M100Config:
+    """The architecture of one M2M100 / NLLB-200 model (transformers' `M2M100Config` fields).
+
+    The encoder and the decoder have their own depth, head count and FFN width; the head dim
+    of each is `d_model // heads`. Token ids: `pad_token_id` (also the padding index of the
+    position embeddings), `bos_token_id`, `eos_token_id`, and `decoder_start_token_id` (the
+    first decoder input, `</s>` for NLLB).
+    """
+
+    vocab_size: int
+    d_model: int
+    encoder_layers: int
+    decoder_layers: int
+    encoder_attention_heads: int
+    decoder_attention_heads: int
+    encoder_ffn_dim: int
+    decoder_ffn_dim: int
+    max_position_embeddings: int = 1024
+    pad_token_id: int = 1
+    bos_token_id: int = 0
+    eos_token_id: int = 2
+    decoder_start_token_id: int = 2
+    scale_embedding: bool = True
+    activation_function: str = "relu"
+    layer_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for heads in (self.encoder_attention_heads, self.decoder_attention_heads):
+            if heads <= 0 or self.d_model % heads:
+                raise CheckpointError(
+                    f"d_model {self.d_model} is not divisible by {heads} attention heads")
+        if self.activation_function not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"activation_function {self.activation_function!r} is not supported "
+                f"(supported: {', '.join(ACTIVATIONS)})")
+
+    @property
+    def encoder_head_dim(self) -> int:
+        """D of the encoder's attention: `d_model // encoder_attention_heads`."""
+        return self.d_model // self.encoder_attention_heads
+
+    @property
+    def decoder_head_dim(self) -> int:
+        """D of the decoder's attention: `d_model // decoder_attention_heads`."""
+        return self.d_model // self.decoder_attention_heads
+
+    @property
+    def embed_scale(self) -> float:
+        """The factor token embeddings are multiplied by: sqrt(d_model), or 1."""
+        return math.sqrt(self.d_model) if self.scale_embedding else 1.0
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> M2M100Config:
+        """Builds the config from a parsed Hugging Face `config.json` dict.
+
+        Raises `UnsupportedModelError` for another `model_type` (NLLB-MoE is not this
+        architecture) and `CheckpointError` for a missing or malformed field.
+        """
+        model_type = config.get("model_type", "m2m_100")
+        if model_type not in MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not an M2M100/NLLB model (expected "
+                f"{', '.join(MODEL_TYPES)})")
+        if config.get("normalize_before") is False:
+            raise UnsupportedModelError("post-norm M2M100 layers (normalize_before=false) "
+                                        "are not supported")
+
+        def first(value: Any) -> int:
+            return int(value[0] if isinstance(value, list) else value)
+
+        try:
+            return cls(
+                vocab_size=int(config["vocab_size"]),
+                d_model=int(config["d_model"]),
+                encoder_layers=int(config["encoder_layers"]),
+                decoder_layers=int(config["decoder_layers"]),
+                encoder_attention_heads=int(config["encoder_attention_heads"]),
+                decoder_attention_heads=int(config["decoder_attention_heads"]),
+                encoder_ffn_dim=int(config["encoder_ffn_dim"]),
+                decoder_ffn_dim=int(config["decoder_ffn_dim"]),
+                max_position_embeddings=int(config.get("max_position_embeddings", 1024)),
+                pad_token_id=first(config.get("pad_token_id", 1)),
+                bos_token_id=first(config.get("bos_token_id", 0)),
+                eos_token_id=first(config.get("eos_token_id", 2)),
+                decoder_start_token_id=first(config.get("decoder_start_token_id", 2)),
+                scale_embedding=bool(config.get("scale_embedding", True)),
+                activation_function=str(config.get("activation_function", "relu")),
+                layer_norm_eps=float(config.get("layer_norm_eps", 1e-5)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config is missing the field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"config has a bad value: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict that `from_dict` reads back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> M2M100Config:
+        """Reads what `to_dict` wrote."""
+        return cls(**d)
+
+
+# ---- pytrees the engine carries ------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CrossKV:
+    """Cross-attention keys and values of every decoder layer, computed once per source.
+
+    k, v: `[L, B, S, H, D]` (`k[i]`, `v[i]`: decoder layer i's `[B, S, H, D]`).
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """Decoder layer `i`'s `(k [B, S, H, D], v [B, S, H, D])`."""
+        return self.k[i], self.v[i]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecoderCache:
+    """The decoder's self-attention keys and values: k, v `[L, B, P, H, D]`.
+
+    Entry `p` of row `b` holds the key/value of that row's decoder token at position `p`;
+    a row whose next token is at position `q` has `0 .. q-1` valid.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: M2M100Config, batch: int, length: int,
+              dtype: Any = jnp.float32) -> DecoderCache:
+        """An empty cache for `batch` rows of up to `length` decoder tokens."""
+        shape = (cfg.decoder_layers, batch, length, cfg.decoder_attention_heads,
+                 cfg.decoder_head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def length(self) -> int:
+        """P, the number of positions per row."""
+        return self.k.shape[2]
+
+    def write(self, new_k: jax.Array, new_v: jax.Array, positions: jax.Array) -> DecoderCache:
+        """Writes one step's keys and values (`[L, B, T, H, D]`) at `positions: [B, T]`.
+        Positions outside `0 .. P-1` are dropped (padding of a bucket)."""
+        b = jnp.arange(new_k.shape[1])[:, None]  # [B, 1] against positions [B, T]
+
+        def put(cache: jax.Array, new: jax.Array) -> jax.Array:
+            # cache[:, b, pos] is [L, B, T, H, D]: adjacent advanced indices stay in place.
+            return cache.at[:, b, positions].set(new.astype(cache.dtype), mode="drop")
+
+        return DecoderCache(put(self.k, new_k), put(self.v, new_v))
+
+
+# ---- building blocks -----------------------------------------------------------------------
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis: x `[..., E]`, weight and bias `[E]`; statistics and the
+    affine map in float32, the result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    """transformers' `ACT2FN[name]` for the supported names (see `ACTIVATIONS`)."""
+    if name == "relu":
+        return jax.nn.relu(x)
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def sinusoidal_embedding(index: jax.Array, dim: int, padding_idx: int) -> jax.Array:
+    """fairseq's sinusoidal table row for each table index: `index [...]` -> `[..., dim]`
+    float32 (`[sin | cos]` halves; the row `padding_idx` is zeros), computed on the fly, so
+    there is no length limit. Same formula and float32 steps as transformers'
+    `M2M100SinusoidalPositionalEmbedding.get_embedding`."""
+    half = dim // 2
+    scale = np.float32(math.log(10000) / (half - 1))
+    freqs = jnp.asarray(np.exp(np.arange(half, dtype=np.float32) * -scale).astype(np.float32))
+    angles = index.astype(jnp.float32)[..., None] * freqs
+    emb = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    if dim % 2:
+        emb = jnp.concatenate([emb, jnp.zeros((*emb.shape[:-1], 1), emb.dtype)], axis=-1)
+    return jnp.where((index == padding_idx)[..., None], 0.0, emb)
+
+
+def encoder_position_index(input_ids: jax.Array, padding_idx: int) -> jax.Array:
+    """Sinusoid table index of each source token, as transformers'
+    `create_position_ids_from_input_ids`: non-pad tokens count from `padding_idx + 1`, pads get
+    `padding_idx`. input_ids `[B, S]` -> `[B, S] int32`."""
+    mask = (input_ids != padding_idx).astype(jnp.int32)
+    return jnp.cumsum(mask, axis=1) * mask + padding_idx
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias `[E]`: x `[..., E]` -> `[..., E]` (see `layer_norm`)."""
+
+    def __init__(self, size: int, eps: float, dtype: Any):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((size,), dtype))
+        self.bias = nnx.Param(jnp.zeros((size,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return layer_norm(x, self.weight[...], self.bias[...], self.eps)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head attention with biased q/k/v/o projections (`q_proj: [E, H, D]`, `q_bias:
+    [H, D]`, ..., `o_proj: [H, D, E]`, `o_bias: [E]`); scores scaled by `D**-0.5`."""
+
+    def __init__(self, d_model: int, heads: int, dtype: Any, rngs: nnx.Rngs):
+        E, H, D = d_model, heads, d_model // heads
+        self.q_proj = _normal(rngs, (E, H, D), dtype)
+        self.k_proj = _normal(rngs, (E, H, D), dtype)
+        self.v_proj = _normal(rngs, (E, H, D), dtype)
+        self.o_proj = _normal(rngs, (H, D, E), dtype)
+        self.q_bias = nnx.Param(jnp.zeros((H, D), dtype))
+        self.k_bias = nnx.Param(jnp.zeros((H, D), dtype))
+        self.v_bias = nnx.Param(jnp.zeros((H, D), dtype))
+        self.o_bias = nnx.Param(jnp.zeros((E,), dtype))
+        self.scale = D**-0.5
+
+    def query(self, x: jax.Array) -> jax.Array:
+        """x `[B, T, E]` -> q `[B, T, H, D]`."""
+        return jnp.einsum("bte,ehd->bthd", x, self.q_proj[...]) + self.q_bias[...]
+
+    def key_value(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x `[B, S, E]` -> k, v `[B, S, H, D]`."""
+        k = jnp.einsum("bse,ehd->bshd", x, self.k_proj[...]) + self.k_bias[...]
+        v = jnp.einsum("bse,ehd->bshd", x, self.v_proj[...]) + self.v_bias[...]
+        return k, v
+
+    def attend(self, q: jax.Array, keys: list[jax.Array], values: list[jax.Array],
+               masks: list[jax.Array]) -> jax.Array:
+        """Softmax attention of q `[B, T, H, D]` over key blocks `[B, S_i, H, D]`, each with its
+        mask `[B, T, S_i]` (or broadcastable, True: may attend), as one softmax over all blocks.
+        Returns the projected output `[B, T, E]`."""
+        scores = [jnp.einsum("bthd,bshd->bhts", q, k) for k in keys]
+        s = jnp.concatenate(scores, axis=-1).astype(jnp.float32) * self.scale
+        mask = jnp.concatenate([jnp.broadcast_to(m, (*s.shape[:1], *s.shape[2:3], m.shape[-1]))
+                                for m in masks], axis=-1)
+        s = jnp.where(mask[:, None], s, jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+        out, start = 0, 0
+        for v in values:
+            n = v.shape[1]
+            out = out + jnp.einsum("bhts,bshd->bthd", p[..., start:start + n], v)
+            start += n
+        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...]) + self.o_bias[...]
+
+
+class FeedForward(nnx.Module):
+    """`fc2(act(x @ fc1 + fc1_bias)) + fc2_bias`: x `[B, T, E]` -> `[B, T, E]`
+    (`fc1: [E, F]`, `fc2: [F, E]`)."""
+
+    def __init__(self, d_model: int, ffn_dim: int, act: str, dtype: Any, rngs: nnx.Rngs):
+        self.act = act
+        self.fc1 = _normal(rngs, (d_model, ffn_dim), dtype)
+        self.fc1_bias = nnx.Param(jnp.zeros((ffn_dim,), dtype))
+        self.fc2 = _normal(rngs, (ffn_dim, d_model), dtype)
+        self.fc2_bias = nnx.Param(jnp.zeros((d_model,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = activation(self.act, x @ self.fc1[...] + self.fc1_bias[...])
+        return h @ self.fc2[...] + self.fc2_bias[...]
+
+
+class EncoderLayer(nnx.Module):
+    """Pre-norm encoder layer: `x + attn(ln(x))`, then `x + ffn(ln(x))`."""
+
+    def __init__(self, cfg: M2M100Config, dtype: Any, rngs: nnx.Rngs):
+        E, eps = cfg.d_model, cfg.layer_norm_eps
+        self.self_attn_norm = LayerNorm(E, eps, dtype)
+        self.self_attn = MultiHeadAttention(E, cfg.encoder_attention_heads, dtype, rngs)
+        self.ffn_norm = LayerNorm(E, eps, dtype)
+        self.ffn = FeedForward(E, cfg.encoder_ffn_dim, cfg.activation_function, dtype, rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        """x `[B, S, E]`, mask `[B, S]` bool (True: a real token) -> `[B, S, E]`."""
+        h = self.self_attn_norm(x)
+        k, v = self.self_attn.key_value(h)
+        x = x + self.self_attn.attend(self.self_attn.query(h), [k], [v], [mask[:, None, :]])
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer: causal self-attention, cross-attention, FFN, each residual."""
+
+    def __init__(self, cfg: M2M100Config, dtype: Any, rngs: nnx.Rngs):
+        E, eps = cfg.d_model, cfg.layer_norm_eps
+        H = cfg.decoder_attention_heads
+        self.self_attn_norm = LayerNorm(E, eps, dtype)
+        self.self_attn = MultiHeadAttention(E, H, dtype, rngs)
+        self.cross_attn_norm = LayerNorm(E, eps, dtype)
+        self.cross_attn = MultiHeadAttention(E, H, dtype, rngs)
+        self.ffn_norm = LayerNorm(E, eps, dtype)
+        self.ffn = FeedForward(E, cfg.decoder_ffn_dim, cfg.activation_function, dtype, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cross_k: jax.Array,
+                 cross_v: jax.Array, encoder_mask: jax.Array, cache_k: jax.Array | None,
+                 cache_v: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One layer over this step's decoder tokens.
+
+        x `[B, T, E]`; positions `[B, T]` (a row's tokens are contiguous); cross_k/cross_v
+        `[B, S, H, D]`; encoder_mask `[B, S]` bool; cache_k/cache_v `[B, P, H, D]` or None,
+        holding positions `0 .. positions[b, 0] - 1` (read only here). Returns the output
+        `[B, T, E]` and this step's self-attention keys and values `[B, T, H, D]`.
+        """
+        h = self.self_attn_norm(x)
+        attn = self.self_attn
+        q = attn.query(h)
+        k, v = attn.key_value(h)
+        keys, values = [k], [v]
+        masks = [positions[:, :, None] >= positions[:, None, :]]  # causal within the step
+        if cache_k is not None and cache_v is not None:
+            p_pos = jnp.arange(cache_k.shape[1])[None, None, :]
+            keys.insert(0, cache_k.astype(k.dtype))
+            values.insert(0, cache_v.astype(v.dtype))
+            masks.insert(0, p_pos < positions[:, :1, None])
+        x = x + attn.attend(q, keys, values, masks)
+        h = self.cross_attn_norm(x)
+        x = x + self.cross_attn.attend(self.cross_attn.query(h), [cross_k], [cross_v],
+                                       [encoder_mask[:, None, :]])
+        return x + self.ffn(self.ffn_norm(x)), k, v
+
+
+def _stack(make, n: int, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def build(r: nnx.Rngs):
+        return make(r)
+
+    return build(rngs)
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+class M2M100(nnx.Module):
+    """M2M100 / NLLB-200 for conditional generation (see the module docstring).
+
+    Params (`nnx.to_pure_dict` keys): `shared [V, E]` (token embeddings of both stacks and,
+    tied, the LM head), `lm_head [E, V]` (only when not tied), `encoder.layers` and
+    `decoder.layers` (stacked `[L, ...]`), `encoder.final_norm`, `decoder.final_norm`.
+    """
+
+    def __init__(self, cfg: M2M100Config, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        E, V = cfg.d_model, cfg.vocab_size
+        self.shared = _normal(rngs, (V, E), dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _normal(rngs, (E, V), dtype)
+        self.encoder_layers = _stack(lambda r: EncoderLayer(cfg, dtype, r), cfg.encoder_layers,
+                                     rngs)
+        self.encoder_norm = LayerNorm(E, cfg.layer_norm_eps, dtype)
+        self.decoder_layers = _stack(lambda r: DecoderLayer(cfg, dtype, r), cfg.decoder_layers,
+                                     rngs)
+        self.decoder_norm = LayerNorm(E, cfg.layer_norm_eps, dtype)
+
+    def _embed(self, ids: jax.Array, pos_index: jax.Array) -> jax.Array:
+        """Scaled token embeddings plus sinusoidal positions: ids, pos_index `[B, T]` ->
+        `[B, T, E]` in the params dtype."""
+        cfg = self.cfg
+        embed = self.shared[...]
+        x = embed[ids] * jnp.asarray(cfg.embed_scale, embed.dtype)
+        pos = sinusoidal_embedding(pos_index, cfg.d_model, cfg.pad_token_id)
+        return x + pos.astype(x.dtype)
+
+    def encode(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """The encoder: input_ids `[B, S] int32`, attention_mask `[B, S] bool` (True: a real
+        token; pads may sit on either side) -> `[B, S, E]` after the final encoder layer norm.
+
+        Positions come from `input_ids != pad_token_id`, as transformers computes them."""
+        cfg = self.cfg
+        mask = attention_mask.astype(bool)
+        x = self._embed(input_ids, encoder_position_index(input_ids, cfg.pad_token_id))
+        layer_def, layer_state = nnx.split(self.encoder_layers)
+
+        def body(x, state):
+            return nnx.merge(layer_def, state)(x, mask), None
+
+        x, _ = jax.lax.scan(body, x, layer_state)
+        return self.encoder_norm(x)
+
+    def cross_kv(self, encoder_out: jax.Array) -> CrossKV:
+        """Every decoder layer's cross-attention keys and values of `encoder_out [B, S, E]`:
+        `CrossKV` with k, v `[L, B, S, H, D]` (layer i: `(k[i], v[i])`, each `[B, S, H, D]`).
+        Computed once per source; `decode` reuses it at every step."""
+        layer_def, layer_state = nnx.split(self.decoder_layers)
+
+        def body(_, state):
+            return None, nnx.merge(layer_def, state).cross_attn.key_value(encoder_out)
+
+        _, (k, v) = jax.lax.scan(body, None, layer_state)
+        return CrossKV(k, v)
+
+    def decode(self, decoder_input_ids: jax.Array, positions: jax.Array, cross: CrossKV,
+               encoder_mask: jax.Array, self_kv_cache: DecoderCache | None = None,
+               ) -> tuple[jax.Array, DecoderCache]:
+        """The decoder and LM head over this step's decoder tokens.
+
+        decoder_input_ids `[B, T] int32` (a sequence starts `[decoder_start_token_id,
+        target language code]` for NLLB); positions `[B, T] int32`: each token's 0-based
+        decoder position (the number of decoder tokens before it; the sinusoid index is
+        `pad_token_id + 1 + position`, transformers' for pad-free decoder inputs); cross: from
+        `cross_kv`; encoder_mask `[B, S] bool`; self_kv_cache: None (the step is the whole
+        decoder sequence so far) or a `DecoderCache [L, B, P, H, D]` holding each row's
+        positions `0 .. positions[b, 0] - 1`.
+
+        Returns `(logits [B, T, V] float32, cache)`: without a cache, a `DecoderCache` of
+        exactly these `T` tokens (`[L, B, T, H, D]`); with one, that cache with this step's keys
+        and values written at `positions` (positions past `P` are dropped).
+        """
+        cfg = self.cfg
+        x = self._embed(decoder_input_ids, positions + cfg.pad_token_id + 1)
+        mask = encoder_mask.astype(bool)
+        layer_def, layer_state = nnx.split(self.decoder_layers)
+
+        def body(x, xs):
+            state, ck, cv, sk, sv = xs
+            x, k, v = nnx.merge(layer_def, state)(x, positions, ck, cv, mask, sk, sv)
+            return x, (k, v)
+
+        if self_kv_cache is None:
+            xs = (layer_state, cross.k, cross.v, None, None)
+        else:
+            xs = (layer_state, cross.k, cross.v, self_kv_cache.k, self_kv_cache.v)
+        x, (new_k, new_v) = jax.lax.scan(body, x, xs)
+        logits = self.logits(self.decoder_norm(x))
+        if self_kv_cache is None:
+            return logits, DecoderCache(new_k, new_v)
+        return logits, self_kv_cache.write(new_k, new_v, positions)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Normalised decoder states `[..., E]` -> logits `[..., V]` float32 (tied head:
+        `x @ shared.T`)."""
+        if self.cfg.tie_word_embeddings:
+            out = jnp.einsum("...e,ve->...v", x, self.shared[...])
+        else:
+            out = x @ self.lm_head[...]
+        return out.astype(jnp.float32)
+
+    def forward(self, input_ids: jax.Array, attention_mask: jax.Array,
+                decoder_input_ids: jax.Array) -> jax.Array:
+        """Teacher forcing: input_ids `[B, S]`, attention_mask `[B, S]`, decoder_input_ids
+        `[B, T]` (pad-free, starting with `decoder_start_token_id`) -> logits `[B, T, V]`
+        float32, as transformers' `M2M100ForConditionalGeneration(...).logits`."""
+        enc = self.encode(input_ids, attention_mask)
+        B, T = decoder_input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        logits, _ = self.decode(decoder_input_ids, positions, self.cross_kv(enc),
+                                attention_mask, None)
+        return logits
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
+                 decoder_input_ids: jax.Array) -> jax.Array:
+        """Same as `forward`."""
+        return self.forward(input_ids, attention_mask, decoder_input_ids)
+
+
+# ---- logical axes (engine/sharding.py's vocabulary) ----------------------------------------
+
+NORM_AXES: AxesTable = {"weight": ("embed",), "bias": ("embed",)}
+ATTENTION_AXES: AxesTable = {
+    "q_proj": ("embed", "heads", "head_dim"), "k_proj": ("embed", "heads", "head_dim"),
+    "v_proj": ("embed", "heads", "head_dim"), "o_proj": ("heads", "head_dim", "embed"),
+    "q_bias": ("heads", "head_dim"), "k_bias": ("heads", "head_dim"),
+    "v_bias": ("heads", "head_dim"), "o_bias": ("embed",),
+}
+FFN_AXES: AxesTable = {"fc1": ("embed", "mlp"), "fc1_bias": ("mlp",),
+                       "fc2": ("mlp", "embed"), "fc2_bias": ("embed",)}
+M2M100_AXES: AxesTable = {
+    "shared": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "encoder_layers": stacked_axes({"self_attn_norm": NORM_AXES, "self_attn": ATTENTION_AXES,
+                                    "ffn_norm": NORM_AXES, "ffn": FFN_AXES}),
+    "encoder_norm": NORM_AXES,
+    "decoder_layers": stacked_axes({"self_attn_norm": NORM_AXES, "self_attn": ATTENTION_AXES,
+                                    "cross_attn_norm": NORM_AXES, "cross_attn": ATTENTION_AXES,
+                                    "ffn_norm": NORM_AXES, "ffn": FFN_AXES}),
+    "decoder_norm": NORM_AXES,
+}
+"""Logical axes of every M2M100 param, keyed like `nnx.to_pure_dict(params)`."""
+
+
+def abstract_m2m100(cfg: M2M100Config,
+                    dtype: Any = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
+    """The graphdef and a params pytree of `jax.ShapeDtypeStruct`s, allocating nothing."""
+    model = nnx.eval_shape(lambda: M2M100(cfg, dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def m2m100_forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array,
+                   attention_mask: jax.Array, decoder_input_ids: jax.Array) -> jax.Array:
+    """Pure teacher-forced forward `(params, ...) -> logits [B, T, V] float32` (shapes as
+    `M2M100.forward`; `graphdef` static)."""
+    return nnx.merge(graphdef, params).forward(input_ids, attention_mask, decoder_input_ids)
+
+
+def m2m100_decode(graphdef: nnx.GraphDef, params: nnx.State, decoder_input_ids: jax.Array,
+                  positions: jax.Array, cross: CrossKV, encoder_mask: jax.Array,
+                  self_kv_cache: DecoderCache | None = None,
+                  ) -> tuple[jax.Array, DecoderCache]:
+    """Pure decoder step `(params, ...) -> (logits, cache)`; see `M2M100.decode`."""
+    return nnx.merge(graphdef, params).decode(decoder_input_ids, positions, cross,
+                                              encoder_mask, self_kv_cache)
