@@ -5,7 +5,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from metrale_jax.scheduler.events import Cancelled, Failed, Finished, TimedOut, Token, TokenLogprob
+from metrale_jax.scheduler.events import (
+    BeamHypothesis,
+    Cancelled,
+    Failed,
+    Finished,
+    TimedOut,
+    Token,
+    TokenLogprob,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,7 +22,8 @@ class Completion:
 
     text: the generated text (stop string excluded unless asked). token_ids: the generated ids.
     finish_reason: "stop", "length", "cancelled" or "timeout". logprobs: one entry per token
-    when the request asked for logprobs, else None.
+    when the request asked for logprobs, else None. beams: a beam search's best hypotheses
+    (num_return_sequences, best first: the first is text / token_ids); empty otherwise.
     """
 
     text: str
@@ -23,6 +32,7 @@ class Completion:
     prompt_tokens: int
     stop_reason: str | int | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    beams: tuple[BeamHypothesis, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -52,7 +62,8 @@ def collect(handle) -> Completion:
         elif isinstance(event, Finished):
             text.append(event.text)
             return Completion("".join(text), tuple(ids), event.finish_reason, prompt_tokens,
-                              event.stop_reason, tuple(lps) if want_lp else None)
+                              event.stop_reason, tuple(lps) if want_lp else None,
+                              event.beams)
         elif isinstance(event, Cancelled):
             return Completion("".join(text), tuple(ids), "cancelled", prompt_tokens)
         elif isinstance(event, TimedOut):

@@ -51,7 +51,7 @@ os.environ["METRALE_JAX_CACHE"] = str(CACHE)
 # (imports jax: after XLA_FLAGS and OMP_NUM_THREADS are set)
 from metrale_jax.engine.engine import enable_compilation_cache  # noqa: E402
 
-enable_compilation_cache(str(CACHE))  # locked: two workers may compile the same program
+enable_compilation_cache(str(CACHE))  # atomic writes: workers compile the same programs
 
 
 DEFAULT_MODEL_SHAPES = dict(max_slots=4, max_len=512, max_prefill_len=64)

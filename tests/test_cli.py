@@ -31,6 +31,15 @@ def test_generate_json(tiny):
     assert len(out["token_ids"]) <= 5 and out["finish_reason"] in ("length", "stop")
 
 
+def test_generate_with_beam_search(tiny):
+    r = metrale("generate", "--model", str(tiny), "--prompt", "quick brown", "--max-tokens", "6",
+                "--num-beams", "3", "--length-penalty", "0.6", "--early-stopping", "true",
+                "--max-len", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["beams"]) == 1 and out["beams"][0]["token_ids"] == out["token_ids"]
+
+
 def test_generate_streams_text(tiny):
     r = metrale("generate", "--model", str(tiny), "--prompt", "fox", "--max-tokens", "6",
                 "--temperature", "0", "--max-len", "64")
@@ -40,6 +49,7 @@ def test_generate_streams_text(tiny):
 
 @pytest.mark.parametrize("args, needle", [
     (["generate", "--temperature", "-1"], "temperature"),
+    (["generate", "--num-beams", "2", "--stop", "x"], "not supported with beam search"),
     (["generate", "--model", "/no/such/model"], "not found"),
     (["generate", "--max-tokens", "many"], "invalid int value"),
     (["frobnicate"], "invalid choice"),

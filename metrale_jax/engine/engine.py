@@ -34,7 +34,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine import steps
+from metrale_jax.engine import compilation_cache, steps
 from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.pages import PageTable
@@ -66,26 +65,10 @@ Item = tuple[int, Sequence[int], SlotSettings]
 """One prompt for `Engine.add`: (slot, prompt token ids, settings)."""
 
 
-COMPILATION_CACHE_MAX_BYTES = 16 << 30
-"""The persistent compilation cache's size bound (least recently used entries go first)."""
-
-
 def enable_compilation_cache(folder: str | None) -> None:
-    """Turns on JAX's persistent compilation cache in `folder` for every compile, small or fast
-    ones included (CPU compiles are quick but many). None leaves the setting alone.
-
-    The cache has a size bound, which makes JAX lock the folder (`filelock`) around each read
-    and write: processes sharing it (test workers, the processes of a multi-host server on
-    one machine, two servers) otherwise can read an entry another is still writing, and
-    loading a half-written executable crashes the process."""
-    if folder is None:
-        return
-    folder = os.path.expanduser(folder)
-    os.makedirs(folder, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
+    """JAX's persistent compilation cache in `folder`, safe to share between processes
+    (`engine/compilation_cache.py`); None leaves the setting alone."""
+    compilation_cache.enable(folder)
 
 
 def _abstract(tree: Any) -> Any:
@@ -376,6 +359,15 @@ class Engine:
             return 0
         self.pages.attach(slot, hits)
         return len(hits)
+
+    def fork(self, moves: Sequence[tuple[int, int, int]]) -> None:
+        """Beam search: for each (dst, src, n), row dst holds the first n pages of row src
+        (shared, as they were before the call; `PageTable.fork`); its length becomes n
+        pages. Its next piece starts there."""
+        moves = [(int(d), int(s), int(n)) for d, s, n in moves]
+        self.pages.fork(moves)
+        for dst, _, n in moves:
+            self.lengths[dst] = n * self.config.page_size
 
     def reserve(self, slot: int, length: int) -> bool:
         """Gives row `slot` the pages for `length` positions now (before the step that writes

@@ -123,6 +123,20 @@ class PageTable:
             added += self.cache.add(int(self.table[slot, j]), key)
         return added
 
+    def fork(self, moves: list[tuple[int, int, int]]) -> None:
+        """Beam search: for each (dst, src, n), row dst drops its pages and holds the first
+        n pages of row src as they were before the call (shared: each page's count rises;
+        the rows write only past them). Every move reads the tables from before any of
+        them, so rows may trade places."""
+        taken = [self.table[src, :n].copy() for _, src, n in moves]
+        for pages in taken:
+            self.refcount[pages] += 1  # held through the releases below
+        for dst, _, _ in moves:
+            self.release(dst)
+        for (dst, _, n), pages in zip(moves, taken, strict=True):
+            self.table[dst, :n] = pages
+            self.owned[dst] = n
+
     def release(self, slot: int) -> int:
         """Drops row `slot`'s pages (each returns to the pool when no one else holds it, a
         cached one as an idle page, its tail first in the LRU order); returns how many went

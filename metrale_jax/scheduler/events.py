@@ -29,6 +29,18 @@ class Token:
 
 
 @dataclasses.dataclass(frozen=True)
+class BeamHypothesis:
+    """One finished hypothesis of a beam search: its generated ids (ending in eos when it
+    stopped on one), their text, its score (sum of log-probabilities over
+    generated_len ** length_penalty) and finish reason ("stop" or "length")."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    score: float
+    finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Finished:
     """The request ended normally.
 
@@ -36,6 +48,8 @@ class Finished:
     of the context). stop_reason: the matched stop string or stop token id, None for eos.
     text: any text held back until the end (already included in no `Token`).
     cached_tokens: the prompt tokens whose keys and values came from the prefix cache.
+    beams: a beam search's best hypotheses, best first (num_return_sequences of them; the
+        first is also what the `Token` events carried); empty otherwise.
     """
 
     finish_reason: str
@@ -44,6 +58,7 @@ class Finished:
     stop_reason: str | int | None = None
     text: str = ""
     cached_tokens: int = 0
+    beams: tuple[BeamHypothesis, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,7 +70,7 @@ first, at their own pace)."""
 STOP_TIMEOUT_S = 30.0
 """How long the leader, stopping, waits for the followers to hang up."""
 _DATACLASSES: dict[str, type] = {"SlotSettings": SlotSettings, "Piece": Piece}
-PAGE_CALLS = ("release", "reuse_prefix", "reserve", "cache_pages")
+PAGE_CALLS = ("release", "reuse_prefix", "reserve", "cache_pages", "fork")
 """The engine's host-side page calls a follower repeats (no program runs): its page table and
 prefix cache follow the leader's, so the same pages hold the same positions everywhere."""
 _HELLO = struct.Struct(">16sI")  # token, process id
@@ -454,6 +454,10 @@ class LeaderEngine:
     def cache_pages(self, slot: int, first: int, keys: list[str]) -> int:
         """`Engine.cache_pages`, on every process."""
         return self._host("cache_pages", slot, first, list(keys))
+
+    def fork(self, moves: list[tuple[int, int, int]]) -> None:
+        """`Engine.fork`, on every process."""
+        self._host("fork", [list(m) for m in moves])
 
 
 def run_follower(engine: Any, channel: FollowerChannel) -> None:

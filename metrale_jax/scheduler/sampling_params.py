@@ -67,6 +67,15 @@ class SamplingParams:
             llama.cpp's per-request list; {} is the base model). None: the scheduler's active
             adapters (`Scheduler.set_active_lora`; none unless set). Kept as sorted
             (name, weight) pairs.
+        num_beams: 1 (sampling or greedy, as set above), or the beams of a beam search
+            (transformers' `generate(num_beams=...)` with do_sample=False: the model's raw
+            log-probabilities; temperature, top-k/p and the like do not apply, and the
+            controls that change the distribution or the stops are refused with it).
+        length_penalty: beam search: a finished hypothesis scores sum_logprobs /
+            generated_len ** length_penalty.
+        early_stopping: beam search: True, False or "never" (transformers' meanings).
+        num_return_sequences: beam search: how many of the best hypotheses to return
+            (<= num_beams).
     """
 
     max_tokens: int | None = 16
@@ -101,6 +110,10 @@ class SamplingParams:
     constraint: Any = None
     thinking_budget: Any = None
     lora: str | dict[str, float] | tuple[tuple[str, float], ...] | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidParameterError:
@@ -210,6 +223,35 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", words)
         object.__setattr__(self, "repetition_detection",
                            RepetitionDetection.parse(self.repetition_detection))
+        self._check_beams(bad, integer)
+
+    def _check_beams(self, bad: Callable[[str, str], Exception],
+                     integer: Callable[[str], int]) -> None:
+        if integer("num_beams") < 1:
+            raise bad("num_beams", "must be >= 1")
+        if not 1 <= integer("num_return_sequences") <= self.num_beams:
+            raise bad("num_return_sequences", f"must be in [1, num_beams] ({self.num_beams})")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp):
+            raise bad("length_penalty", "must be a finite number")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", 'must be true, false or "never"')
+        if self.num_beams == 1:
+            return
+        refused = {
+            "stop": bool(self.stop), "logprobs": self.logprobs is not None,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "logit_bias": bool(self.logit_bias), "dry_multiplier": self.dry_multiplier != 0.0,
+            "lz_penalty": self.lz_penalty != 0.0, "xtc_probability": self.xtc_probability > 0,
+            "bad_words": bool(self.bad_words),
+            "repetition_detection": self.repetition_detection is not None,
+            "constraint": self.constraint is not None,
+            "thinking_budget": self.thinking_budget is not None}
+        for name, given in refused.items():
+            if given:
+                raise bad(name, "is not supported with beam search (num_beams > 1)")
 
     @property
     def greedy(self) -> bool:

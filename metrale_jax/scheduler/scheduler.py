@@ -40,7 +40,15 @@ import numpy as np
 from metrale_jax.engine.engine import Piece
 from metrale_jax.engine.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from metrale_jax.errors import BusyError, ContextLengthError, InvalidParameterError
-from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
+from metrale_jax.scheduler.beam import BeamSearch
+from metrale_jax.scheduler.events import (
+    BeamHypothesis,
+    Cancelled,
+    Failed,
+    Finished,
+    TimedOut,
+    Token,
+)
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.sequence import Sequence
@@ -158,6 +166,7 @@ class Scheduler:
         if request.params.constraint is not None:
             self.grammar.validate(request.params.constraint, self.engine.config.decode_steps)
         self._lora_mix(request.params.lora)
+        self._check_beams(request)
         wanted = request.params.max_tokens or 1
         if n + wanted > self.max_len:
             raise ContextLengthError(
@@ -170,6 +179,22 @@ class Scheduler:
                 f"the KV cache holds {pages.usable_pages * pages.page_size} tokens in all, but "
                 f"the request has {n} prompt tokens plus max_tokens={wanted} "
                 f"({n + wanted} in all)")
+
+    def _check_beams(self, request: GenerationRequest) -> None:
+        p = request.params
+        if p.num_beams == 1:
+            return
+        cfg = self.engine.config
+        eos = 0 if p.ignore_eos else len(set(self.eos_token_ids) | set(p.stop_token_ids))
+        top = cfg.num_top_logprobs
+        most = min(self.num_slots, (top - eos) // max(2, 1 + eos))
+        if p.num_beams > most:
+            raise InvalidParameterError(
+                f"num_beams must be at most {most} here ({self.num_slots} sequence slots, "
+                f"{top} top log-probabilities per step)", param="num_beams")
+        if cfg.logprobs_mode != "raw":
+            raise InvalidParameterError("beam search needs the server's logprobs mode 'raw'",
+                                        param="num_beams")
 
     def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
         """Queues a request; returns its handle. Raises `BusyError` when the queue is full.
@@ -358,6 +383,7 @@ class Scheduler:
                 self._drop(cancelled)
                 self._run_lora_ops()
                 self._admit()
+                step = None
                 if any(self._slots):
                     if self.grammar.must_drain(self._decoding()) and not self._prefilling:
                         while pending:  # nothing to overlap with
@@ -365,8 +391,9 @@ class Scheduler:
                     step = self._launch_step(pending)
                     if step is not None:
                         pending.append(step)
-                # Read outputs one step late: keep the newest in flight while work remains.
-                keep = 1 if any(self._slots) else 0
+                # Read outputs one step late: keep the newest in flight while a step was
+                # launched (rows waiting on a step's output, as beams do, get it now).
+                keep = 1 if step is not None else 0
                 while len(pending) > keep:
                     self._consume(pending.popleft())
             except Exception as e:
@@ -381,8 +408,10 @@ class Scheduler:
         self._shutdown()
 
     def _decoding(self) -> list[Sequence | None]:
-        """The slots' sequences that decode (None for free rows and rows still prefilling)."""
-        return [s if s is not None and s.fed >= len(s.feed) else None for s in self._slots]
+        """The slots' sequences that decode (None for free rows, rows still prefilling and
+        beam rows: those are fed one piece per search step)."""
+        return [s if s is not None and s.fed >= len(s.feed) and s.beam is None else None
+                for s in self._slots]
 
     def _free_slot(self, slot: int) -> None:
         """Slot `slot` loses its sequence: its pages go back to the pool."""
@@ -426,7 +455,14 @@ class Scheduler:
         with self._lock:
             admitted = []
             while free and self._waiting:
-                admitted.append((free.pop(0), self._waiting.popleft()))
+                width = self._waiting[0].request.params.num_beams
+                if width > len(free):  # a beam search takes its rows at once
+                    break
+                seq = self._waiting.popleft()
+                admitted.append((free.pop(0), seq))
+                if width > 1:
+                    seq.beam = _BeamGroup(seq, [admitted[-1][0], *free[:width - 1]])
+                    del free[:width - 1]
         now = time.monotonic()
         for slot, seq in admitted:
             if seq.settings is None:  # first admission (a preempted one keeps its own)
@@ -448,6 +484,8 @@ class Scheduler:
             self._prefilling.append(slot)
             self._admitted_at[slot] = (seq.request.request_id, now)
             self.grammar.freed(slot)
+            if seq.beam is not None:
+                self._start_beams(seq)
         self.stats["admitted"] += sum(1 for _, s in admitted if not s.token_ids)
 
     def _share_prefix(self, slot: int, seq: Sequence, decode_need: int) -> None:
@@ -596,15 +634,102 @@ class Scheduler:
             return False
         _, slot = order[-1]
         seq = self._slots[slot]
+        rows = seq.beam.rows if seq.beam is not None else [slot]
         if len(order) == 1:  # nothing else holds pages: the pool can't hold this sequence
             seq.end_for_length()
-            self._free_slot(slot)
+            for row in rows:
+                self._free_slot(row)
+            seq.post_final()
             return True
-        self._free_slot(slot)
+        for row in rows:  # a beam search starts again from its prompt
+            self._free_slot(row)
+        seq.beam = None
         self.stats["preempted"] += 1
         with self._lock:
             self._waiting.appendleft(seq)
         return True
+
+    # ---- beam search ---------------------------------------------------------------------
+    def _start_beams(self, seq: Sequence) -> None:
+        """A beam request was admitted into `seq.beam.rows`: its first row prefills the
+        prompt; the others wait, empty, for the first step's fork."""
+        p, group = seq.request.params, seq.beam
+        eos = frozenset(() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)
+        group.search = BeamSearch(p.num_beams, min(p.max_tokens or self.max_len,
+                                                   self.max_len - seq.prompt_len),
+                                  eos, p.min_tokens, p.length_penalty, p.early_stopping)
+        for i, slot in enumerate(group.rows[1:], 1):
+            helper = Sequence(seq.request, _NO_EVENTS, self.tokenizer, self.eos_token_ids,
+                              self.max_len, lora=seq.lora)
+            helper.beam, helper.beam_index = group, i
+            helper.settings, helper.seeded = seq.settings, True
+            self._slots[slot] = helper
+            self.grammar.freed(slot)
+
+    def _beam_output(self, seq: Sequence, top_ids: np.ndarray, top_lps: np.ndarray) -> None:
+        """One beam row's next-token top list; once every running beam has one, a search
+        step: the beams fork (their rows share their parents' pages) and are fed again, or
+        the search ends."""
+        group = seq.beam
+        group.tops[seq.beam_index] = (top_ids, top_lps)
+        search = group.search
+        first = search.generated == 0
+        if len(group.tops) < (1 if first else search.width):
+            return
+        tops = [group.tops[0]] * search.width if first else \
+            [group.tops[i] for i in range(search.width)]
+        group.tops = {}
+        parents = search.step(np.stack([t[0] for t in tops]), np.stack([t[1] for t in tops]))
+        if search.done:
+            self._finish_beams(group)
+            return
+        ps, prompt = self.engine.config.page_size, list(group.primary.request.prompt_ids)
+        rows, claimed = group.rows, set()
+        new_rows: list[int | None] = [None] * search.width
+        for c, (parent, _) in enumerate(parents):  # a parent's first child keeps its row
+            if parent not in claimed:
+                claimed.add(parent)
+                new_rows[c] = rows[parent]
+        spare = [rows[i] for i in range(search.width) if i not in claimed]
+        moves = []
+        written = len(prompt) + search.generated - 1  # positions the parents' rows hold
+        for c, (parent, _) in enumerate(parents):
+            if new_rows[c] is None:
+                new_rows[c] = spare.pop()
+                moves.append((new_rows[c], rows[parent], written // ps))
+        if moves:
+            self.engine.fork(moves)
+        forked = {dst: n * ps for dst, _, n in moves}
+        for c, slot in enumerate(new_rows):
+            row = self._slots[slot]
+            row.beam_index = c
+            row.feed = prompt + list(search.running[c])
+            row.fed = forked.get(slot, written)
+            row.keyed = min(row.keyed, row.fed // ps)
+            self._prefilling.append(slot)
+        group.rows = new_rows
+
+    def _finish_beams(self, group: _BeamGroup) -> None:
+        """Posts a finished search's answer on the request (the best hypothesis as its
+        tokens; the best num_return_sequences in `Finished.beams`) and frees its rows."""
+        seq = group.primary
+        p = seq.request.params
+        hyps = tuple(BeamHypothesis(ids, self.tokenizer.decode(
+            list(ids), skip_special_tokens=p.skip_special_tokens), score, reason)
+            for ids, score, reason in group.search.results(p.num_return_sequences))
+        best = hyps[0]
+        for slot in group.rows:
+            self._slots[slot].finished = True
+            self._free_slot(slot)
+        seq.num_generated = len(best.token_ids)
+        if best.token_ids:
+            seq.handle.post(Token(best.token_ids, best.text))
+        stop = best.token_ids[-1] if best.finish_reason == "stop" and \
+            best.token_ids[-1] not in self.eos_token_ids else None
+        seq.handle.post(Finished(best.finish_reason, seq.prompt_len, len(best.token_ids),
+                                 stop, "", seq.cached_tokens or 0, hyps))
+        self.stats["finished"] += 1
+        self.stats["tokens"] += len(best.token_ids)
 
     def _consume(self, pending: _Pending) -> None:
         out = pending.output
@@ -617,6 +742,9 @@ class Scheduler:
             if self._slots[slot] is not seq or seq.finished:
                 continue
             self.grammar.consumed(slot)
+            if seq.beam is not None:
+                self._beam_output(seq, top_ids[0, col], top_lps[0, col])
+                continue
             steps = tokens.shape[0] if col < B else 1
             for k in range(steps):
                 seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
@@ -628,6 +756,7 @@ class Scheduler:
                 self._offer_pages(slot, seq, int(self.engine.lengths[slot]))
             if seq.finished:
                 self._free_slot(slot)
+                seq.post_final()
                 self.stats["finished"] += 1
 
     def _fail_slots(self, error: BaseException) -> None:
@@ -652,6 +781,28 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for seq in waiting:
             seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated, "shutdown"))
+
+
+class _BeamGroup:
+    """A beam request's rows (`rows[i]`: the slot of running beam i), its search, and the
+    top lists its rows have returned in the current step."""
+
+    def __init__(self, primary: Sequence, rows: list[int]):
+        self.primary = primary
+        self.rows = rows
+        self.search: BeamSearch | None = None
+        self.tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+class _NoEvents:
+    """The handle of a beam's helper rows: their request's events go out once, from the
+    first row's sequence."""
+
+    def post(self, event: Any) -> None:
+        """Drops `event`."""
+
+
+_NO_EVENTS = _NoEvents()
 
 
 def _start_copy(output: Any) -> None:

@@ -43,6 +43,7 @@ class Sequence:
         self.thinking = (ThinkingBudget(p.thinking_budget) if p.thinking_budget is not None
                          else None)
         self.num_generated = 0
+        self.final: Finished | None = None
         self.token_ids: list[int] = []
         self.finished = False
         # The batching loop's bookkeeping: the engine settings (fixed at first admission,
@@ -60,6 +61,10 @@ class Sequence:
         # The adapters ((engine slot, weight) pairs; empty: none) change every key and value:
         # `lora_key` (which loads, at which weights) is part of the root.
         self.lora = lora
+        # Beam search (scheduler._BeamGroup): the request's group and which running beam this
+        # row holds now; None for every other request.
+        self.beam = None
+        self.beam_index = 0
         self.cache_root = root_key(request.tenant, request.cache_salt, lora_key)
         self.page_keys: list[str] = []
         self.keyed = 0
@@ -160,5 +165,14 @@ class Sequence:
             if matched is not None:
                 stop_reason = matched
             tail += self.stops.flush()
-        self.handle.post(Finished(reason, self.prompt_len, self.num_generated, stop_reason,
-                                  tail, self.cached_tokens or 0))
+        # Held until the scheduler has freed the row (`post_final`): a client that saw its
+        # request end sees its row and pages free.
+        self.final = Finished(reason, self.prompt_len, self.num_generated, stop_reason, tail,
+                              self.cached_tokens or 0)
+
+    def post_final(self) -> None:
+        """Posts the `Finished` event of a sequence that stopped (once; after the scheduler
+        freed its row)."""
+        if self.final is not None:
+            self.handle.post(self.final)
+            self.final = None

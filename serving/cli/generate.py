@@ -29,7 +29,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = dataclasses.replace(params, seed=0 if params.seed is None else params.seed)
         if pid != 0:  # only process 0 prints
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
-    llm = LLM(args.model, dtype=args.dtype, max_slots=1, max_len=shape_flag(args.max_len),
+    llm = LLM(args.model, dtype=args.dtype, max_slots=params.num_beams,
+              max_len=shape_flag(args.max_len),
               logprobs_mode=args.logprobs_mode, **engine_options(args))
     try:
         if args.chat:

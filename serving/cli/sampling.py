@@ -29,6 +29,9 @@ _FLAGS: list[tuple[str, type, object, str]] = [
     ("--lz-penalty", float, 0.0, "LZ penalty strength (0 = off)"),
     ("--min-tokens", int, 0, "eos and stop ids are masked until this many tokens"),
     ("--seed", int, None, "seed for sampling"),
+    ("--num-beams", int, 1, "beam search over this many beams (1 = off; transformers' "
+                            "num_beams; prints the best hypothesis)"),
+    ("--length-penalty", float, 1.0, "beam search: score = logprob sum / length ** this"),
 ]
 
 
@@ -49,6 +52,8 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep going past eos")
     group.add_argument("--repetition-detection", action="store_true",
                        help="stop when the output tail is one block repeated")
+    group.add_argument("--early-stopping", default="false", choices=["true", "false", "never"],
+                       help="beam search: when to stop (transformers' meanings)")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -70,7 +75,9 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, stop=tuple(args.stop),
                           bad_words=tuple(args.bad_word), logit_bias=bias,
                           ignore_eos=args.ignore_eos,
-                          repetition_detection=args.repetition_detection or None, **fields)
+                          repetition_detection=args.repetition_detection or None,
+                          early_stopping={"true": True, "false": False}.get(
+                              args.early_stopping, args.early_stopping), **fields)
 
 
 def add_logprobs_mode_flag(parser: argparse.ArgumentParser) -> None:

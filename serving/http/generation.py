@@ -65,6 +65,8 @@ class Generation:
         metrics: the app's `Metrics`.
         prompts: token ids of each prompt; each gets `n` choices, indexed prompt-major.
         params: the `SamplingParams` of one choice; choice i of a prompt gets `seed + i`.
+            With num_beams > 1 a prompt is one beam search whose n best hypotheses are its
+            n choices.
         timeout: seconds until the request ends with a timeout (None = none).
         request_id: the HTTP request id; engine requests get `<id>-<index>`.
         tenant, cache_salt: the prefix cache's isolation key (`GenerationRequest`).
@@ -77,9 +79,21 @@ class Generation:
         self.metrics = metrics
         self.timeout = timeout
         self.arrived = time.monotonic()
+        self.prompts = [list(ids) for ids in prompts]
         self.requests: list[GenerationRequest] = []
         self.choices: list[ChoiceState] = []
+        self.beam_choices: dict[int, list[int]] = {}  # a beam request -> its choices
         for p, ids in enumerate(prompts):
+            if params.num_beams > 1:
+                sp = dataclasses.replace(params, num_return_sequences=n)
+                self.beam_choices[len(self.requests)] = list(range(len(self.choices),
+                                                                   len(self.choices) + n))
+                self.requests.append(GenerationRequest.make(
+                    ids, sp, timeout=timeout, request_id=f"{request_id}-{len(self.requests)}",
+                    tenant=tenant, cache_salt=cache_salt))
+                self.choices += [ChoiceState(len(self.choices) + i, p, len(ids))
+                                 for i in range(n)]
+                continue
             for i in range(n):
                 sp = params
                 if params.seed is not None and i:
@@ -157,7 +171,10 @@ class Generation:
         async def pump(i: int, handle: Any) -> None:
             try:
                 async for event in handle:
-                    queue.put_nowait((i, event))
+                    if i in self.beam_choices:
+                        self._beam_events(self.beam_choices[i], event, queue)
+                    else:
+                        queue.put_nowait((i, event))
             finally:
                 queue.put_nowait((i, None))
 
@@ -180,6 +197,22 @@ class Generation:
             for t in self._tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+
+    @staticmethod
+    def _beam_events(choices: list[int], event: Event, queue: asyncio.Queue) -> None:
+        """A beam search's events as its choices' events: its n hypotheses (in `Finished`)
+        become n choices' tokens and ends; its other ends go to its first choice."""
+        if isinstance(event, Token):
+            return  # the best hypothesis's ids: in `Finished.beams` as well
+        if not isinstance(event, Finished):
+            queue.put_nowait((choices[0], event))
+            return
+        for index, hyp in zip(choices, event.beams, strict=False):
+            queue.put_nowait((index, Token(hyp.token_ids, hyp.text)))
+            stop = event.stop_reason if index == choices[0] else None
+            queue.put_nowait((index, Finished(hyp.finish_reason, event.prompt_tokens,
+                                              len(hyp.token_ids), stop, "",
+                                              event.cached_tokens)))
 
     def _account(self, choice: ChoiceState, event: Event) -> None:
         m = self.metrics

@@ -142,7 +142,7 @@ def completion_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
                         if prep.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         if prep.token_ids:
-            choices[-1]["prompt_token_ids"] = list(gen.requests[c.index].prompt_ids)
+            choices[-1]["prompt_token_ids"] = list(gen.prompts[c.prompt_index])
             choices[-1]["token_ids"] = list(c.token_ids)
     return prep.env.body(choices, gen.usage())
 
@@ -272,7 +272,7 @@ def completion_stream(prep: Prepared, rt: ModelRuntime,
             choice = {"index": c.index, "text": prep.echo[c.index] if prep.echo else "",
                       "logprobs": None, "finish_reason": None}
             if prep.token_ids:
-                choice["prompt_token_ids"] = list(prep.gen.requests[c.index].prompt_ids)
+                choice["prompt_token_ids"] = list(prep.gen.prompts[c.prompt_index])
                 choice["token_ids"] = []
             out.append(chunk(choice))
         return out

@@ -116,11 +116,31 @@ class _Sampling(_Body):
     # gets 0; [] is the base model). Without it: the adapter named by `model`, else the
     # server's active adapters (POST /lora-adapters).
     lora: list[LoraScale] | None = None
+    # Beam search (transformers' and llama.cpp's names; vLLM's use_beam_search): num_beams
+    # beams, the n best hypotheses as the n choices; not streamable.
+    num_beams: Annotated[int, Field(ge=1)] | None = None
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options is only allowed when stream is true",
                                         param="stream_options")
+        if self.beams > 1 and self.stream:
+            raise InvalidParameterError(
+                "stream is not supported with beam search (num_beams > 1): a beam's text is "
+                "not final until the search ends", param="stream")
+        if 1 < self.beams < self.n:
+            raise InvalidParameterError(f"n ({self.n}) must be at most num_beams "
+                                        f"({self.beams}) with beam search", param="n")
+
+    @property
+    def beams(self) -> int:
+        """The beam search's width: num_beams, else n with use_beam_search, else 1."""
+        if self.num_beams is not None:
+            return self.num_beams
+        return self.n if self.use_beam_search else 1
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The scheduler's `SamplingParams` of one choice."""
@@ -157,6 +177,9 @@ class _Sampling(_Body):
             bad_words=tuple(self.bad_words or ()),
             repetition_detection=self.repetition_detection,
             constraint=self.constraint(),
+            num_beams=self.beams,
+            length_penalty=1.0 if self.length_penalty is None else float(self.length_penalty),
+            early_stopping=False if self.early_stopping is None else self.early_stopping,
             **extras,
         )
 

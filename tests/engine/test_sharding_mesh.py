@@ -189,8 +189,8 @@ def child_main(spec: dict) -> None:
     import jax
     from flax import nnx
 
-    jax.config.update("jax_compilation_cache_dir", spec["cache_dir"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    from metrale_jax.engine.compilation_cache import enable
+    enable(spec["cache_dir"])
     from metrale_jax.config import ModelConfig
     from metrale_jax.models.transformer import Transformer
     from metrale_jax.weights.checkpoint import load_checkpoint
