@@ -145,24 +145,35 @@ class Pair:
 LORA = ("--max-loras", "2", "--max-lora-rank", "8")
 
 
+_REFERENCE = """
+import json, sys
+from metrale_jax import LLM, SamplingParams
+model, adapter, cache, prompt = sys.argv[1:5]
+llm = LLM(model, max_slots=2, max_len=256, max_prefill_len=16, compilation_cache_dir=cache,
+          max_loras=2, max_lora_rank=8, loras={"sql": adapter})
+ids = llm.tokenizer.encode(prompt)
+out = llm.generate([ids, ids], [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                               lora=lora) for lora in (None, "sql")])
+llm.close()
+print(json.dumps({"prompt_ids": ids, "token_ids": list(out[0].token_ids),
+                  "lora_token_ids": list(out[1].token_ids)}))
+"""
+
+
 @pytest.fixture(scope="module")
 def reference(model, adapter) -> dict:
     """The single-process greedy run (one device, the same engine shapes), without and with
-    the adapter."""
-    from metrale_jax import LLM, SamplingParams
-    llm = LLM(str(model), max_slots=2, max_len=256, max_prefill_len=16,
-              compilation_cache_dir=str(CACHE), max_loras=2, max_lora_rank=8,
-              loras={"sql": adapter})
-    try:
-        ids = llm.tokenizer.encode(PROMPT)
-        out, lora = llm.generate([ids, ids], [
-            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, lora=lora)
-            for lora in (None, "sql")])
-    finally:
-        llm.close()
-    assert list(lora.token_ids) != list(out.token_ids)
-    return {"prompt_ids": ids, "token_ids": list(out.token_ids),
-            "lora_token_ids": list(lora.token_ids)}
+    the adapter. It runs in its own process, as the servers do: XLA:CPU twice crashed in
+    this worker serializing this program for the persistent cache after a long run of other
+    tests (never alone), and a crash must not take the worker's other tests with it."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _REFERENCE, str(model), str(adapter),
+                        str(CACHE), PROMPT], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = json.loads(r.stdout.strip().splitlines()[-1])
+    assert ref["lora_token_ids"] != ref["token_ids"]
+    return ref
 
 
 def _completion(url: str, served: Path, **fields) -> tuple[int, dict]:
