@@ -2,7 +2,9 @@
 
 SmolLM2-135M-Instruct (the default GGUF, float32 on both sides): 8 concurrent prompts, greedy
 (num_beams 1) and beam search (num_beams 4), `--max-tokens` new tokens at most. Ours: one
-`LLM` with 32 rows (8 requests x 4 beams) serving the 8 requests together; transformers: one
+`LLM` with 32 rows (8 requests x 4 beams) serving the 8 requests together (beam rows decode
+in the decode tier; a forked beam shares its parent's full pages and copies the last one);
+transformers: one
 batched `generate` (left padding). Prints sentences/s and generated tokens/s of each, their
 ratio, and how many of the 8 answers have transformers' ids (batched padding may move a near
 tie; `tests/scheduler/test_beam_search.py` checks equality unbatched).

@@ -213,6 +213,31 @@ class Engine:
                                 _spec((self.config.max_len,), i32), _spec((), i32),
                                 _spec((), i32))
 
+    def _beam_set_exe(self):
+        """The program that moves beam rows between two decode steps (`steps.beam_set`)."""
+        i32, B = jnp.int32, self.config.max_slots
+        fn = jax.jit(steps.beam_set, donate_argnums=(0,), out_shardings=self.shardings.state)
+        return self._executable(("beam_set",), fn, self._state_spec, _spec((B,), jnp.bool_),
+                                _spec((B,), i32), _spec((B,), i32), _spec((B,), i32),
+                                _spec((B,), i32))
+
+    def beam_set(self, state: DecodeState, rows: Sequence[tuple[int, int, int]],
+                 copies: Sequence[tuple[int, int]]) -> DecodeState:
+        """Beam search between two decode steps: each (slot, token, position) of `rows` feeds
+        `token` at `position` next; each (src, dst) of `copies` copies page src onto page
+        dst (from `fork`). One program, whatever the rows and copies."""
+        B = self.config.max_slots
+        mask = np.zeros(B, np.bool_)
+        tokens = np.zeros(B, np.int32)
+        positions = np.zeros(B, np.int32)
+        src = np.zeros(B, np.int32)
+        dst = np.zeros(B, np.int32)
+        for slot, token, position in rows:
+            mask[slot], tokens[slot], positions[slot] = True, token, position
+        for i, (a, b) in enumerate(copies):
+            src[i], dst[i] = a, b
+        return self._beam_set_exe()(state, mask, tokens, positions, src, dst)
+
     def _lora_set_exe(self):
         """The program that writes one adapter slot's weights (state of the slots donated)."""
         def put(lora, slot, weights):
@@ -360,14 +385,26 @@ class Engine:
         self.pages.attach(slot, hits)
         return len(hits)
 
-    def fork(self, moves: Sequence[tuple[int, int, int]]) -> None:
-        """Beam search: for each (dst, src, n), row dst holds the first n pages of row src
-        (shared, as they were before the call; `PageTable.fork`); its length becomes n
-        pages. Its next piece starts there."""
+    def fork(self, moves: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """Beam search: for each (dst, src, length), row dst takes row src's first `length`
+        positions: it shares src's full pages among them (as they were before the call;
+        `PageTable.fork`) and gets a page of its own for a partly written last one, to be
+        copied from src's (`beam_set`); its length and adapters become src's. Returns the
+        (src page, dst page) copies."""
+        ps = self.config.page_size
         moves = [(int(d), int(s), int(n)) for d, s, n in moves]
-        self.pages.fork(moves)
+        partial = [(d, int(self.pages.table[s, n // ps]), n) for d, s, n in moves if n % ps]
+        mix = {d: self.lora_mix[s].copy() for d, s, _ in moves}
+        self.pages.fork([(d, s, n // ps) for d, s, n in moves])
+        copies = []
+        for dst, src_page, n in partial:
+            if not self.pages.ensure(dst, n):
+                raise RuntimeError("the KV page pool has no page left for a forked beam")
+            copies.append((src_page, int(self.pages.table[dst, n // ps])))
         for dst, _, n in moves:
-            self.lengths[dst] = n * self.config.page_size
+            self.lengths[dst] = n
+            self.lora_mix[dst] = mix[dst]
+        return copies
 
     def reserve(self, slot: int, length: int) -> bool:
         """Gives row `slot` the pages for `length` positions now (before the step that writes

@@ -275,3 +275,16 @@ def _pad_columns(out: StepOutput, columns: int) -> StepOutput:
         return out
     return jax.tree.map(
         lambda a: jnp.pad(a, [(0, 0), (0, columns - c)] + [(0, 0)] * (a.ndim - 2)), out)
+
+
+def beam_set(state: DecodeState, rows: jax.Array, tokens: jax.Array, positions: jax.Array,
+             src_pages: jax.Array, dst_pages: jax.Array) -> DecodeState:
+    """Beam search's step between two decode steps (state donated): rows: [B] bool, the rows
+    whose next input becomes `tokens[b]` at `positions[b]` ([B] int32); then every pool's
+    page `dst_pages[i]` becomes a copy of page `src_pages[i]` ([B] int32 each, 0 -> 0 for
+    unused entries: the null page onto itself), a forked beam's own copy of its parent's
+    partly written last page."""
+    pages = tuple(pool.at[dst_pages].set(pool[src_pages]) for pool in state.pages)
+    return dataclasses.replace(
+        state, pages=pages, tokens=jnp.where(rows, tokens, state.tokens),
+        positions=jnp.where(rows, positions, state.positions))

@@ -423,6 +423,11 @@ class LeaderEngine:
         """`Engine.step`, on every process."""
         return self._call("step", self.engine.step, state, *args, **kwargs)
 
+    def beam_set(self, state, *args: Any):
+        """`Engine.beam_set`, on every process."""
+        return self._call("beam_set", self.engine.beam_set, state,
+                          *[[list(x) for x in arg] for arg in args])
+
     def _host(self, op: str, *args: Any) -> Any:
         """A host-side page call (`PAGE_CALLS`), on every process (their page tables and
         prefix caches stay the same)."""
@@ -455,9 +460,9 @@ class LeaderEngine:
         """`Engine.cache_pages`, on every process."""
         return self._host("cache_pages", slot, first, list(keys))
 
-    def fork(self, moves: list[tuple[int, int, int]]) -> None:
-        """`Engine.fork`, on every process."""
-        self._host("fork", [list(m) for m in moves])
+    def fork(self, moves: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """`Engine.fork`, on every process; returns its page copies."""
+        return self._host("fork", [list(m) for m in moves])
 
 
 def run_follower(engine: Any, channel: FollowerChannel) -> None:
@@ -483,6 +488,8 @@ def run_follower(engine: Any, channel: FollowerChannel) -> None:
                 state, out = engine.add(state, *args, **kwargs)
             elif op == "step":
                 state, out = engine.step(state, *args, **kwargs)
+            elif op == "beam_set":
+                state, out = engine.beam_set(state, *args), None
             elif op == "set_lora":  # a program: runs in order, like a step
                 slot, path, name = args
                 adapter = None

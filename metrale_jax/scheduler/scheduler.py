@@ -192,6 +192,9 @@ class Scheduler:
             raise InvalidParameterError(
                 f"num_beams must be at most {most} here ({self.num_slots} sequence slots, "
                 f"{top} top log-probabilities per step)", param="num_beams")
+        if cfg.decode_steps != 1:
+            raise InvalidParameterError("beam search needs an engine with decode_steps 1",
+                                        param="num_beams")
         if cfg.logprobs_mode != "raw":
             raise InvalidParameterError("beam search needs the server's logprobs mode 'raw'",
                                         param="num_beams")
@@ -409,9 +412,9 @@ class Scheduler:
 
     def _decoding(self) -> list[Sequence | None]:
         """The slots' sequences that decode (None for free rows, rows still prefilling and
-        beam rows: those are fed one piece per search step)."""
-        return [s if s is not None and s.fed >= len(s.feed) and s.beam is None else None
-                for s in self._slots]
+        beam rows waiting for their search's next step)."""
+        return [s if s is not None and s.fed >= len(s.feed)
+                and (s.beam is None or s.beam.ready) else None for s in self._slots]
 
     def _free_slot(self, slot: int) -> None:
         """Slot `slot` loses its sequence: its pages go back to the pool."""
@@ -613,6 +616,9 @@ class Scheduler:
         _start_copy(out)
         self.stats["steps"] += 1
         owners = [(int(i), int(i), self._slots[i]) for i in np.flatnonzero(active)]
+        for _, _, seq in owners:
+            if seq.beam is not None:  # it waits for this step's top tokens
+                seq.beam.ready = False
         r = 0
         for piece, seq in pieces:
             if piece.settings is not None:
@@ -683,7 +689,7 @@ class Scheduler:
         if search.done:
             self._finish_beams(group)
             return
-        ps, prompt = self.engine.config.page_size, list(group.primary.request.prompt_ids)
+        prompt = list(group.primary.request.prompt_ids)
         rows, claimed = group.rows, set()
         new_rows: list[int | None] = [None] * search.width
         for c, (parent, _) in enumerate(parents):  # a parent's first child keeps its row
@@ -691,23 +697,26 @@ class Scheduler:
                 claimed.add(parent)
                 new_rows[c] = rows[parent]
         spare = [rows[i] for i in range(search.width) if i not in claimed]
+        # The parents' rows hold positions < `written`; each new beam feeds its last token
+        # there. A beam on another row forks: it shares the parent's full pages and copies
+        # its partly written last one.
+        written = len(prompt) + search.generated - 1
         moves = []
-        written = len(prompt) + search.generated - 1  # positions the parents' rows hold
         for c, (parent, _) in enumerate(parents):
             if new_rows[c] is None:
                 new_rows[c] = spare.pop()
-                moves.append((new_rows[c], rows[parent], written // ps))
-        if moves:
-            self.engine.fork(moves)
-        forked = {dst: n * ps for dst, _, n in moves}
+                moves.append((new_rows[c], rows[parent], written))
+        copies = self.engine.fork(moves) if moves else []
+        sets = []
         for c, slot in enumerate(new_rows):
             row = self._slots[slot]
             row.beam_index = c
             row.feed = prompt + list(search.running[c])
-            row.fed = forked.get(slot, written)
-            row.keyed = min(row.keyed, row.fed // ps)
-            self._prefilling.append(slot)
+            row.fed = len(row.feed)
+            sets.append((slot, search.running[c][-1], written))
+        self.state = self.engine.beam_set(self.state, sets, copies)
         group.rows = new_rows
+        group.ready = True  # its rows decode in the next step
 
     def _finish_beams(self, group: _BeamGroup) -> None:
         """Posts a finished search's answer on the request (the best hypothesis as its
@@ -792,6 +801,7 @@ class _BeamGroup:
         self.rows = rows
         self.search: BeamSearch | None = None
         self.tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.ready = False  # its rows are set for the next decode step
 
 
 class _NoEvents:

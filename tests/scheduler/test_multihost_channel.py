@@ -40,6 +40,14 @@ class FakeEngine:
                            allowed.tolist()))
         return state + 1, np.ones(2)
 
+    def fork(self, moves):
+        self.calls.append(("fork", [list(m) for m in moves]))
+        return [(3, 4)]
+
+    def beam_set(self, state, rows, copies):
+        self.calls.append(("beam_set", [list(r) for r in rows], [list(c) for c in copies]))
+        return state + 1
+
 
 def _pair(on_lost=None) -> tuple[mh.LeaderChannel, mh.FollowerChannel]:
     a, b = socket.socketpair()
@@ -84,10 +92,13 @@ def test_the_follower_replays_the_leaders_calls():
                                    (1, [7], SlotSettings(repetition_penalty=1.2))])
     state, _ = wrapped.step(state, np.array([True, False]))
     state, _ = wrapped.step(state, np.array([True, True]), np.array([[3]], np.uint32))
+    # beam search: a fork (a page call) and the program that sets the beam rows
+    copies = wrapped.fork([(1, 0, 21)])
+    state = wrapped.beam_set(state, [(0, 9, 21), (1, 8, 21)], copies)
     assert wrapped.config == "config"  # everything else is the engine's own
     leader_ch.close(timeout=30)
     assert done.wait(30) and not errors
-    assert follower.calls == leader.calls and len(leader.calls) == 4
+    assert follower.calls == leader.calls and len(leader.calls) == 6
 
 
 def test_a_call_the_engine_refuses_is_skipped_on_the_follower():
