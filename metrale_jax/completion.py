@@ -53,7 +53,7 @@ def collect(handle) -> Completion:
     ids: list[int] = []
     lps: list[TokenLogprob] = []
     want_lp = handle.request.params.logprobs is not None
-    prompt_tokens = len(handle.request.prompt_ids)
+    prompt_tokens = len(handle.request.prompt_ids) + len(handle.request.source)
     for event in handle:
         if isinstance(event, Token):
             text.append(event.text)

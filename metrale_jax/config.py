@@ -13,9 +13,11 @@ import math
 from typing import Literal
 
 from metrale_jax.errors import CheckpointError, InvalidParameterError
+from metrale_jax.m2m100_config import M2M100Config
 
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]
-ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "m2m_100"]
+ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+                                  "m2m_100")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,10 @@ class ModelConfig:
         sliding_window / sliding_layers: per-layer local attention (Gemma 2 alternates,
             Mistral uses it on every layer); `sliding_layers[i]` says whether layer i is local.
         query_pre_attn_scalar: attention scale is its -1/2 power instead of D^-1/2 (Gemma 2).
+        encoder_decoder: for an encoder-decoder translation model ("m2m_100": M2M100 /
+            NLLB-200), its full `models.m2m100.M2M100Config`; the other fields then describe
+            its decoder (the part the engine's paged steps run: L decoder layers of H heads,
+            K = H, the decoder FFN as `intermediate_size`). None for decoder-only models.
     """
 
     architecture: Architecture
@@ -79,6 +85,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    encoder_decoder: M2M100Config | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -93,6 +100,26 @@ class ModelConfig:
                 f"num_kv_heads={self.num_kv_heads}")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise CheckpointError("model config: sliding_layers must have one entry per layer")
+
+    @classmethod
+    def for_m2m100(cls, m2m: M2M100Config) -> ModelConfig:
+        """The engine's config of an M2M100 / NLLB model: architecture "m2m_100", the fields
+        describing the decoder (L decoder layers, H heads, K = H, D, the decoder FFN), and
+        `m2m` as `encoder_decoder`."""
+        H = m2m.decoder_attention_heads
+        return cls(
+            architecture="m2m_100", vocab_size=m2m.vocab_size, hidden_size=m2m.d_model,
+            intermediate_size=m2m.decoder_ffn_dim, num_layers=m2m.decoder_layers,
+            num_heads=H, num_kv_heads=H, head_dim=m2m.decoder_head_dim,
+            rms_norm_eps=m2m.layer_norm_eps,
+            max_position_embeddings=m2m.max_position_embeddings,
+            tie_word_embeddings=m2m.tie_word_embeddings, bos_token_id=m2m.bos_token_id,
+            eos_token_ids=(m2m.eos_token_id,), encoder_decoder=m2m)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """True for an encoder-decoder (translation) model: see `encoder_decoder`."""
+        return self.encoder_decoder is not None
 
     @property
     def attention_scale(self) -> float:
@@ -119,6 +146,8 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["sliding_layers"] = tuple(d.get("sliding_layers") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("encoder_decoder") is not None:
+            d["encoder_decoder"] = M2M100Config.from_dict(d["encoder_decoder"])
         return cls(**d)
 
 

@@ -8,6 +8,8 @@
     llm.apply_chat_template(messages, add_generation_prompt=True) -> str
     llm.generate(prompts, SamplingParams(...)) -> list[Completion]
     llm.chat(messages, params) -> Completion ; llm.stream(prompt, params) -> text deltas
+    llm = LLM("path/to/nllb-200", target_lang="fra_Latn")   # a translation model
+    llm.translate(texts, source_lang="eng_Latn", num_beams=4) -> list[Completion]
 
 A thin front: loading lives in `metrale_jax.weights`, text in `metrale_jax.text`, and the
 compiled steps in `metrale_jax.engine`.
@@ -62,6 +64,8 @@ class LLM:
         loras: LoRA adapters to serve, {name: PEFT adapter folder}; a request picks one with
             `SamplingParams(lora=name)`. Read and checked here (a `LoraError` names what does
             not fit); the engine gets max(4, len(loras)) adapter slots unless `max_loras` says.
+        source_lang, target_lang: a translation model's default languages (FLORES-200 codes)
+            for `translate`.
         Further keyword arguments go to `EngineConfig`.
 
     The mesh and memory plan are decided while the checkpoint loads, before any weight is
@@ -73,6 +77,7 @@ class LLM:
                  max_slots: int | None = 8, max_len: int | None = 2048,
                  mesh: str | tuple[int, int] | None = None, memory_gb: float | None = None,
                  warmup: bool = False, loras: dict[str, str | Path] | None = None,
+                 source_lang: str | None = None, target_lang: str | None = None,
                  **engine_options: Any):
         from metrale_jax.engine.config import EngineConfig
         from metrale_jax.engine.placement import PlacementHook
@@ -85,6 +90,10 @@ class LLM:
         self._template = None
         self._scheduler = None
         self._warmup = warmup
+        self.source_lang, self.target_lang = source_lang, target_lang
+        if self.checkpoint.config.is_encoder_decoder:
+            from metrale_jax.translation import check_default_languages
+            check_default_languages(self.checkpoint.tokenizer, source_lang, target_lang)
         self.loras = {}
         if loras:
             from metrale_jax.weights.lora import load_peft_adapter
@@ -133,9 +142,51 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def _submit(self, prompt_ids: list[int], params):
+    def _submit(self, prompt_ids: list[int], params, source: Sequence[int] = ()):
         from metrale_jax.scheduler import GenerationRequest
-        return self.scheduler.submit(GenerationRequest.make(prompt_ids, params))
+        if self.config.is_encoder_decoder and not source:
+            raise InvalidParameterError(
+                f"model {self.checkpoint.name!r} is a translation model: use translate()",
+                param="prompt")
+        return self.scheduler.submit(GenerationRequest.make(prompt_ids, params,
+                                                            source=source))
+
+    def translate(self, texts: str | Sequence[str], source_lang: str | None = None,
+                  target_lang: str | None = None, sampling_params=None, *,
+                  num_beams: int | None = None, length_penalty: float | None = None,
+                  early_stopping: bool | str | None = None) -> list[Completion]:
+        """Translates each text (all run together in the batch) with a translation model.
+
+        source_lang / target_lang: FLORES-200 codes (None: the defaults given to `LLM`);
+        `sampling_params`: one `SamplingParams` for all or one per text (default: greedy,
+        up to eos or the context, as transformers' `generate` for NLLB);
+        num_beams, length_penalty, early_stopping: beam search settings that override
+        theirs. Each `Completion.text` is a translation (`Completion.beams`: the best
+        hypotheses of a beam search).
+        """
+        from metrale_jax.scheduler import SamplingParams
+        from metrale_jax.translation import translation_inputs
+        if not self.config.is_encoder_decoder:
+            raise InvalidParameterError(f"model {self.checkpoint.name!r} is not a translation "
+                                        "model", param="model")
+        if isinstance(texts, str):
+            texts = [texts]
+        params = (sampling_params if sampling_params is not None
+                  else SamplingParams(temperature=0.0, max_tokens=None))
+        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(texts)
+        if len(per) != len(texts):
+            raise InvalidParameterError("give one SamplingParams, or one per text",
+                                        param="sampling_params")
+        beams = {k: v for k, v in (("num_beams", num_beams), ("length_penalty", length_penalty),
+                                   ("early_stopping", early_stopping)) if v is not None}
+        if beams:
+            import dataclasses
+            per = [dataclasses.replace(sp, **beams) for sp in per]
+        inputs = [translation_inputs(self.tokenizer, t, source_lang, target_lang,
+                                     self.source_lang, self.target_lang) for t in texts]
+        handles = [self._submit(list(x.prompt), sp, x.source)
+                   for x, sp in zip(inputs, per, strict=True)]
+        return [collect(h) for h in handles]
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params=None) -> list[Completion]:

@@ -72,6 +72,10 @@ class EngineConfig:
     max_loras: N, LoRA adapter slots on the device (0: an engine without adapters: its
         programs have no LoRA products at all); max_lora_rank: R, the largest rank a slot
         holds (smaller ranks are zero-padded).
+    max_source_len: for an encoder-decoder (translation) model, the longest source (encoder
+        input, in tokens) a row holds: each row keeps its source's cross-attention keys and
+        values for that many positions. The encoder runs over `source_buckets`.
+        Decoder-only models ignore it.
     """
 
     max_slots: int | None = 8
@@ -95,6 +99,7 @@ class EngineConfig:
     prefix_cache_min_tokens: int = 64
     max_loras: int = 0
     max_lora_rank: int = 16
+    max_source_len: int = 512
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -127,6 +132,9 @@ class EngineConfig:
                 or isinstance(self.prefix_cache_min_tokens, bool)
                 or self.prefix_cache_min_tokens < 0):
             raise bad("prefix_cache_min_tokens", "must be an integer >= 0")
+        if (not isinstance(self.max_source_len, int) or isinstance(self.max_source_len, bool)
+                or self.max_source_len < 2):
+            raise bad("max_source_len", "must be an integer >= 2")
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -265,6 +273,16 @@ class EngineConfig:
             out.append(c)
             c *= 4
         return (*out, self.max_prefill_len)
+
+    @property
+    def source_buckets(self) -> tuple[int, ...]:
+        """The source lengths the encoder program is compiled for: powers of two from 16
+        below max_source_len, then max_source_len."""
+        out, c = [], 16
+        while c < self.max_source_len:
+            out.append(c)
+            c *= 2
+        return (*out, self.max_source_len)
 
     def chunk_bucket_for(self, tokens: int) -> int:
         """The smallest chunk bucket holding `tokens` (<= max_prefill_len)."""

@@ -57,6 +57,7 @@ from metrale_jax.engine.sharding import abstract_params, shard_params
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput, settings_to_arrays
 from metrale_jax.engine.step_cost import StepCost
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
+from metrale_jax.models.seq2seq_ragged import split_seq2seq
 from metrale_jax.models.unrolled import LayerParams, split_layers
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,15 @@ class Engine:
         dtype = jnp.dtype(cfg.dtype)
         self.cache_dtype = jnp.dtype(cfg.resolved_cache_dtype)
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-        # Per-layer params (models.unrolled): the stacked copy is dropped once split.
-        self.graph, layers = split_layers(graphdef, params)
+        # Per-layer params (models.unrolled): the stacked copy is dropped once split. An
+        # encoder-decoder splits its decoder the same way (models/seq2seq_ragged.py).
+        self.encoder_decoder = model_config.is_encoder_decoder
+        if self.encoder_decoder and cfg.max_loras:
+            raise InvalidParameterError("LoRA adapters are for decoder-only models; this is "
+                                        "an encoder-decoder (translation) model",
+                                        param="max_loras")
+        split = split_seq2seq if self.encoder_decoder else split_layers
+        self.graph, layers = split(graphdef, params)
         del params
         self.params = shard_params(layers, self.mesh)
         del layers
@@ -127,7 +135,8 @@ class Engine:
         self.vocab_size = model_config.vocab_size
         self.num_pages = cfg.resolved_num_pages
         cache = None
-        if cfg.prefix_cache:
+        # An encoder-decoder's decoder keys and values depend on its source: no prefix cache.
+        if cfg.prefix_cache and not self.encoder_decoder:
             cache = PrefixCache(int(cfg.prefix_cache_share * (self.num_pages - 1)))
         self.pages = PageTable(self.num_pages, cfg.page_size, B, cfg.max_len, cache)
         # How far a long prompt's later piece may fill a chunk (the scheduler's step budget).
@@ -142,7 +151,7 @@ class Engine:
         ss = sh.state
         self._jit_init = jax.jit(
             functools.partial(steps.init_state, model_config, B, cfg.max_len, self.num_pages,
-                              cfg.page_size, self.cache_dtype),
+                              cfg.page_size, self.cache_dtype, cfg.max_source_len),
             out_shardings=ss)
         self._state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -151,6 +160,11 @@ class Engine:
         # LoRA adapter slots (models/lora.py): per layer, per projection (a [N, in, R],
         # b [N, R, out]), replicated; each row's weight per slot (lora_mix [B, N], zeros:
         # none) is host data.
+        # An encoder-decoder: which encoded source each row's cross-attention buffers hold
+        # (an id per encode, -1 none), and the row copies a beam fork still owes.
+        self.source_of = np.full(B, -1, np.int64)
+        self._sources_encoded = 0
+        self._source_copies: list[tuple[int, int]] = []
         self.lora = None
         self.lora_mix = np.zeros((B, max(cfg.max_loras, 1)), np.float32)
         if cfg.max_loras:
@@ -213,6 +227,64 @@ class Engine:
                                 _spec((self.config.max_len,), i32), _spec((), i32),
                                 _spec((), i32))
 
+    def _encode_exe(self, length: int):
+        """The encoder over R sources of `length` (a source bucket) tokens (`steps.encode`)."""
+        i32, R = jnp.int32, self.config.max_prefill_batch
+        fn = jax.jit(functools.partial(steps.encode, self.graph), donate_argnums=(1,),
+                     out_shardings=self.shardings.state)
+        return self._executable(("encode", length), fn, self._params_spec, self._state_spec,
+                                _spec((R,), i32), _spec((R, length), i32), _spec((R,), i32))
+
+    def _copy_sources_exe(self):
+        """The program that gives forked beam rows their request's source."""
+        i32, B = jnp.int32, self.config.max_slots
+        fn = jax.jit(steps.copy_sources, donate_argnums=(0,), out_shardings=self.shardings.state)
+        return self._executable(("copy_sources",), fn, self._state_spec, _spec((B,), i32),
+                                _spec((B,), i32))
+
+    def check_source(self, n: int) -> None:
+        """Raises if a source (encoder input) of `n` tokens cannot be held by a row."""
+        limit = self.config.max_source_len
+        if n < 1:
+            raise InvalidParameterError("the text to translate is empty", param="messages")
+        if n > limit:
+            raise ContextLengthError(
+                f"the text to translate has {n} tokens, but this engine holds sources of at "
+                f"most {limit} tokens (--max-source-len)")
+
+    def _encode_sources(self, state: DecodeState, pieces: Sequence[Piece]) -> DecodeState:
+        """Runs the encoder for the pieces that carry their row's source (R at a time, each
+        group in the smallest source bucket holding its longest)."""
+        cfg, B, R = self.config, self.config.max_slots, self.config.max_prefill_batch
+        todo = [p for p in pieces if p.source]
+        for at in range(0, len(todo), R):
+            group = todo[at:at + R]
+            longest = max(len(p.source) for p in group)
+            self.check_source(longest)
+            S = next(b for b in cfg.source_buckets if longest <= b)
+            rows = np.full(R, B, np.int32)
+            ids = np.zeros((R, S), np.int32)
+            lens = np.zeros(R, np.int32)
+            for i, p in enumerate(group):
+                rows[i], lens[i] = p.slot, len(p.source)
+                ids[i, :len(p.source)] = p.source
+                self._sources_encoded += 1
+                self.source_of[p.slot] = self._sources_encoded
+            state = self._encode_exe(S)(self.params, state, rows, ids, lens)
+        return state
+
+    def _copy_sources(self, state: DecodeState) -> DecodeState:
+        """Applies the source copies `fork` recorded (one program), if any."""
+        if not self._source_copies:
+            return state
+        B = self.config.max_slots
+        dst = np.full(B, B, np.int32)
+        src = np.zeros(B, np.int32)
+        for i, (d, s_) in enumerate(self._source_copies):
+            dst[i], src[i] = d, s_
+        self._source_copies = []
+        return self._copy_sources_exe()(state, dst, src)
+
     def _beam_set_exe(self):
         """The program that moves beam rows between two decode steps (`steps.beam_set`)."""
         i32, B = jnp.int32, self.config.max_slots
@@ -227,6 +299,7 @@ class Engine:
         `token` at `position` next; each (src, dst) of `copies` copies page src onto page
         dst (from `fork`). One program, whatever the rows and copies."""
         B = self.config.max_slots
+        state = self._copy_sources(state)
         mask = np.zeros(B, np.bool_)
         tokens = np.zeros(B, np.int32)
         positions = np.zeros(B, np.int32)
@@ -312,13 +385,19 @@ class Engine:
 
     def warmup(self, workers: int = 2,
                progress: Callable[[int, int], None] | None = None) -> float:
-        """Compiles every program (`program_grid` and init); returns seconds.
+        """Compiles every program (`program_grid`, init, seeding, beam search's `beam_set`;
+        an encoder-decoder's encoder per source bucket and `copy_sources`); returns seconds.
 
         progress: called as `progress(done, total)` after each program is ready (from the
         calling thread), for progress bars.
         """
         t0 = time.perf_counter()
         jobs = [self._init_exe, self._seed_exe]
+        if self.config.decode_steps == 1:  # beam search's program (it needs decode_steps 1)
+            jobs.append(self._beam_set_exe)
+        if self.encoder_decoder:
+            jobs += [functools.partial(self._encode_exe, S) for S in self.config.source_buckets]
+            jobs.append(self._copy_sources_exe)
         jobs += [functools.partial(self._step_exe, *shape) for shape in self.program_grid()]
         with ThreadPoolExecutor(max(1, workers)) as pool:
             futures = [pool.submit(job) for job in jobs]
@@ -336,6 +415,8 @@ class Engine:
         self.pages.release_all()
         self.lengths[:] = 0
         self.lora_mix[:] = 0
+        self.source_of[:] = -1
+        self._source_copies = []
         return self._init_exe()()
 
     def _allowed(self, rows: int, allowed: np.ndarray | None):
@@ -362,6 +443,7 @@ class Engine:
         self.pages.release(slot)
         self.lengths[slot] = 0
         self.lora_mix[slot] = 0
+        self.source_of[slot] = -1
 
     def reuse_prefix(self, slot: int, keys: Sequence[str], budget: int) -> int:
         """Row `slot` shares the longest run of cached pages with `keys` (the content keys of
@@ -401,9 +483,13 @@ class Engine:
             if not self.pages.ensure(dst, n):
                 raise RuntimeError("the KV page pool has no page left for a forked beam")
             copies.append((src_page, int(self.pages.table[dst, n // ps])))
-        for dst, _, n in moves:
+        sources = {d: self.source_of[s] for d, s, _ in moves}
+        for dst, src, n in moves:
             self.lengths[dst] = n
             self.lora_mix[dst] = mix[dst]
+            if self.encoder_decoder and self.source_of[dst] != sources[dst]:
+                self._source_copies.append((dst, src))  # made by the next beam_set
+            self.source_of[dst] = sources[dst]
         return copies
 
     def reserve(self, slot: int, length: int) -> bool:
@@ -449,6 +535,8 @@ class Engine:
         token of the r-th finishing piece (R = max_prefill_batch with pieces, else 0).
         """
         cfg, B = self.config, self.config.max_slots
+        if self.encoder_decoder:
+            state = self._encode_sources(self._copy_sources(state), pieces)
         if active is None:
             active = self.lengths > 0
         active = np.asarray(active, np.bool_)
@@ -562,12 +650,15 @@ class Engine:
         return steps.ChunkInputs(tokens, rows, positions, generated, finish_index, finish_rows,
                                  finish_steps, sampling, allowed), finishing
 
-    def add(self, state: DecodeState, items: Sequence[Item]) -> tuple[DecodeState, StepOutput]:
+    def add(self, state: DecodeState, items: Sequence[Item],
+            sources: Sequence[Sequence[int]] | None = None) -> tuple[DecodeState, StepOutput]:
         """Prefills prompts into slots and samples their first tokens (no row decodes
         meanwhile; the batching loop instead sends prompt pieces along its decode steps).
 
         items: (slot, prompt ids, SlotSettings) with distinct slots; each prompt is cut into
-        pieces of at most max_prefill_len tokens and packed into ragged steps. state is
+        pieces of at most max_prefill_len tokens and packed into ragged steps. sources: for
+        an encoder-decoder, each item's source (encoder input ids; its prompt is then the
+        decoder's, e.g. `[</s>, target language]`). state is
         donated. Returns the new state and `first: StepOutput [1, B]` (NumPy) whose column i
         is item i's first token (columns >= len(items) are zeros).
         """
@@ -582,8 +673,17 @@ class Engine:
             self.check_prompt(len(ids))
         for slot, _, _ in items:  # the slots' earlier sequences are replaced
             self.release(slot)
+        if self.encoder_decoder and (sources is None or len(sources) != len(items)):
+            raise InvalidParameterError("an encoder-decoder needs one source per prompt",
+                                        param="sources")
+        for source in sources or ():
+            self.check_source(len(source))
         queue = [(i, Piece.cut(slot, ids, settings, cfg.max_prefill_len))
                  for i, (slot, ids, settings) in enumerate(items)]
+        if sources is not None:
+            queue = [(i, [dataclasses.replace(cuts[0], source=tuple(int(t) for t in src)),
+                          *cuts[1:]])
+                     for (i, cuts), src in zip(queue, sources, strict=True)]
         work = collections.deque((i, piece) for i, cuts in queue for piece in cuts)
         outputs: list[tuple[StepOutput, list[int]]] = []
         idle = np.zeros(B, np.bool_)
@@ -616,7 +716,9 @@ class Piece:
     when its positions before `start` are shared pages from the prefix cache, the token ids
     of those positions (they seed the row's token history); else empty. lora: the row's
     LoRA adapters as (slot, weight) pairs (empty: none), for this piece and the row's
-    decoding after it."""
+    decoding after it. source: an encoder-decoder row's source (encoder input ids), on its
+    first piece (start 0): the encoder runs over it before the step (`check_source`); else
+    empty."""
 
     slot: int
     tokens: tuple[int, ...]
@@ -625,6 +727,7 @@ class Piece:
     first_generated: int = 0
     prefix: tuple[int, ...] = ()
     lora: tuple[tuple[int, float], ...] = ()
+    source: tuple[int, ...] = ()
 
     @classmethod
     def cut(cls, slot: int, ids: Sequence[int], settings: SlotSettings,

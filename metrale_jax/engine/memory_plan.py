@@ -170,11 +170,13 @@ def token_bytes_per_device(cfg: ModelConfig, cache_itemsize: int,
 
 def scratch_bytes_per_device(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
                              mesh_shape: tuple[int, int], slots: int, max_len: int,
-                             prefill_len: int, prefill_batch: int) -> int:
+                             prefill_len: int, prefill_batch: int,
+                             source_len: int = 0) -> int:
     """An estimate of the temporaries of the largest step: a prefill of `prefill_batch` x
     `prefill_len` tokens (its keys and values for every layer, the attention scores of one
     layer over the cache plus the chunk in float32, hidden activations) or a decode step's
-    logits and sampling copies `[B / data, V] float32`, whichever is larger."""
+    logits and sampling copies `[B / data, V] float32`, whichever is larger; plus, for an
+    encoder-decoder, every slot's cross-attention cache of `source_len` positions."""
     data, model = mesh_shape
     P, Bp = min(prefill_len, max_len), prefill_batch
     heads = cfg.num_heads // (model if cfg.num_heads % model == 0 else 1)
@@ -184,7 +186,18 @@ def scratch_bytes_per_device(cfg: ModelConfig, *, itemsize: int, cache_itemsize:
     hidden = Bp * P * (4 * cfg.hidden_size + 3 * mlp) * itemsize
     prefill = prefix + scores + hidden + Bp * cfg.vocab_size * 4
     decode = -(-slots // data) * cfg.vocab_size * 4 * SAMPLING_COPIES
-    return max(prefill, decode)
+    return max(prefill, decode) + cross_bytes_per_device(cfg, cache_itemsize, mesh_shape,
+                                                         slots, source_len)
+
+
+def cross_bytes_per_device(cfg: ModelConfig, cache_itemsize: int, mesh_shape: tuple[int, int],
+                           slots: int, source_len: int) -> int:
+    """An encoder-decoder's cross-attention cache on one device: each of its slots (B / data)
+    holds `source_len` positions of L x 2 x K_dev x D (0 for a decoder-only model)."""
+    if cfg.encoder_decoder is None:
+        return 0
+    return (-(-slots // mesh_shape[0]) * source_len
+            * token_bytes_per_device(cfg, cache_itemsize, mesh_shape))
 
 
 # ---- the plan ------------------------------------------------------------------------------
@@ -192,7 +205,7 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
                 mesh_shape: tuple[int, int], memory_bytes: int | None,
                 slots: int | None = None, max_len: int | None = None,
                 prefill_len: int = 512, prefill_batch: int = 1,
-                reserve_fraction: float = 0.1) -> MemoryPlan:
+                reserve_fraction: float = 0.1, source_len: int = 0) -> MemoryPlan:
     """The largest KV cache that fits in `memory_bytes` per device beside the params.
 
     itemsize / cache_itemsize: bytes per param / cache element (4 float32, 2 bfloat16);
@@ -218,7 +231,8 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
     def plan(b: int, s: int) -> MemoryPlan:
         scratch = scratch_bytes_per_device(
             cfg, itemsize=itemsize, cache_itemsize=cache_itemsize, mesh_shape=mesh_shape,
-            slots=b, max_len=s, prefill_len=prefill_len, prefill_batch=prefill_batch)
+            slots=b, max_len=s, prefill_len=prefill_len, prefill_batch=prefill_batch,
+            source_len=source_len)
         reserve = int(reserve_fraction * memory_bytes) if memory_bytes is not None else 0
         return MemoryPlan(tuple(mesh_shape), b, s, memory_bytes, params, token, scratch,
                           reserve)

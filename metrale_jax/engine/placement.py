@@ -41,6 +41,7 @@ from metrale_jax.engine.sharding import (
     default_mesh_shape,
     format_mesh,
     make_mesh,
+    named_sharding,
     page_pool_sharding,
     param_shardings,
     replicated,
@@ -48,6 +49,7 @@ from metrale_jax.engine.sharding import (
 )
 from metrale_jax.engine.state import DecodeState
 from metrale_jax.errors import MemoryPlanError
+from metrale_jax.models.seq2seq_ragged import CROSS_AXES, CrossCache
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,7 @@ def place(model_config: ModelConfig, config: EngineConfig,
         cache_itemsize=jnp.dtype(config.resolved_cache_dtype).itemsize, mesh_shape=shape,
         memory_bytes=device_memory_bytes(memory_gb=config.memory_gb), slots=config.max_slots,
         max_len=config.max_len, prefill_len=config.max_prefill_len or 512,
-        prefill_batch=config.max_prefill_batch or 4)
+        prefill_batch=config.max_prefill_batch or 4, source_len=config.max_source_len)
     log.info("%s", plan.describe())
     resolved = config.with_shapes(plan.slots, plan.max_len, shape)
     resolved = dataclasses.replace(resolved, num_pages=plan_pages(plan, resolved))
@@ -192,4 +194,15 @@ class StepShardings:
             pages=(page_pool_sharding(model_config, N, ps, self.mesh),) * model_config.num_layers,
             positions=slots,
             tokens=slots, steps=slots, sampling=jax.tree.map(per_slot, spec.sampling),
-            history=jax.tree.map(per_slot, spec.history))
+            history=jax.tree.map(per_slot, spec.history),
+            cross=self._cross(model_config, config))
+
+    def _cross(self, model_config: ModelConfig, config: EngineConfig) -> CrossCache | None:
+        """An encoder-decoder's cross-attention buffers: slots on data, heads on model."""
+        if not model_config.is_encoder_decoder:
+            return None
+        B, S = config.max_slots, config.max_source_len
+        K, D = model_config.num_kv_heads, model_config.head_dim
+        one = named_sharding(CROSS_AXES, self.mesh, (B, S, K, D))
+        L = model_config.num_layers
+        return CrossCache((one,) * L, (one,) * L, slot_sharding(B, self.mesh))

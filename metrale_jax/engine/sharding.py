@@ -254,8 +254,15 @@ def _lookup(table: AxesTable, names: list[str]) -> LogicalAxes:
 
 def param_logical_axes(params: Any, path: tuple) -> LogicalAxes:
     """The logical axes of the leaf at `path` of `params`: stacked `[L, ...]` params (an
-    `nnx.State` or its pure dict: `TRANSFORMER_AXES`) or `LayerParams` (`LAYER_PARAMS_AXES`)."""
-    table = LAYER_PARAMS_AXES if isinstance(params, LayerParams) else TRANSFORMER_AXES
+    `nnx.State` or its pure dict: `TRANSFORMER_AXES`) or `LayerParams` (`LAYER_PARAMS_AXES`);
+    an encoder-decoder's (its `shared` embeddings tell): `M2M100_AXES` or
+    `SEQ2SEQ_LAYER_PARAMS_AXES`."""
+    from metrale_jax.models.m2m100 import M2M100_AXES
+    from metrale_jax.models.seq2seq_ragged import SEQ2SEQ_LAYER_PARAMS_AXES
+    if isinstance(params, LayerParams):
+        table = SEQ2SEQ_LAYER_PARAMS_AXES if "shared" in params.outer else LAYER_PARAMS_AXES
+    else:
+        table = M2M100_AXES if "shared" in params else TRANSFORMER_AXES
     return _lookup(table, _path_names(path))
 
 

@@ -23,6 +23,7 @@ from metrale_jax.engine.sampling_state import (
     TokenHistory,
 )
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.models.seq2seq_ragged import CrossCache
 
 # Logical axis names of the per-slot arrays, beside their shapes (see engine/sharding.py).
 SLOT_AXES: tuple[str, ...] = ("slots",)
@@ -42,6 +43,8 @@ class DecodeState:
     sampling: per-slot `SamplingState` ([B] rows).
     history: per-slot `TokenHistory` (tokens [B, S], counts and prompt_seen [B, V]) for the
     penalties; a slot's tokens up to its position are valid.
+    cross: an encoder-decoder's per-row source (`CrossCache`: cross-attention keys and values
+    L x [B, S_src, H, D] and lengths [B]); None for a decoder-only model.
     """
 
     pages: tuple[jax.Array, ...]
@@ -50,6 +53,7 @@ class DecodeState:
     steps: jax.Array
     sampling: SamplingState
     history: TokenHistory
+    cross: CrossCache | None = None
 
 
 @jax.tree_util.register_dataclass

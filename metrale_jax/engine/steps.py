@@ -19,8 +19,11 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine.sampling import SampleResult, sample
 from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
+from metrale_jax.models import seq2seq_ragged
 from metrale_jax.models.paged_attention import use_tpu_kernel
-from metrale_jax.models.ragged import StepLayout, head, kernel_layout, ragged_layers
+from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
+from metrale_jax.models.ragged import head as decoder_head
+from metrale_jax.models.seq2seq_ragged import CrossCache, Seq2SeqGraph
 from metrale_jax.models.unrolled import LayerGraph, LayerParams
 
 
@@ -85,16 +88,19 @@ class ChunkInputs:
 
 
 def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
-               cache_dtype: jnp.dtype) -> DecodeState:
+               cache_dtype: jnp.dtype, source_len: int = 0) -> DecodeState:
     """An empty decode state: greedy rows at position 0 and zero page pools
-    (L x `[num_pages, page_size, 2K, D]`); the token history holds `length` positions."""
+    (L x `[num_pages, page_size, 2K, D]`); the token history holds `length` positions; an
+    encoder-decoder's rows hold sources of up to `source_len` tokens (`CrossCache`)."""
     zeros = jnp.zeros((slots,), jnp.int32)
     shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
     return DecodeState(
         pages=tuple(jnp.zeros(shape, cache_dtype) for _ in range(cfg.num_layers)),
         positions=zeros, tokens=zeros, steps=zeros,
         sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
-        history=TokenHistory.zeros(slots, length, cfg.vocab_size))
+        history=TokenHistory.zeros(slots, length, cfg.vocab_size),
+        cross=(CrossCache.zeros(cfg, slots, source_len, cache_dtype)
+               if cfg.is_encoder_decoder else None))
 
 
 def seed_history(state: DecodeState, row: jax.Array, tokens: jax.Array, length: jax.Array,
@@ -118,6 +124,13 @@ def seed_history(state: DecodeState, row: jax.Array, tokens: jax.Array, length: 
     history = TokenHistory(h.tokens.at[row].set(jnp.where(real, tokens, h.tokens[row])),
                            h.counts.at[row].set(counts), h.prompt_seen.at[row].set(seen))
     return dataclasses.replace(state, history=history)
+
+
+def head(graph, params: LayerParams, x: jax.Array) -> jax.Array:
+    """Hidden states `[R, E]` -> logits `[R, V] float32`, for either kind of model."""
+    if isinstance(graph, Seq2SeqGraph):
+        return seq2seq_ragged.head(graph, params, x)
+    return decoder_head(graph, params, x)
 
 
 def _slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array, page_size: int):
@@ -179,6 +192,12 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
                                    chunk.positions if C else jnp.zeros((0,), jnp.int32))
         layout = StepLayout(slots=slots, dec_table=dec_table, dec_lens=dec_lens,
                             chunk_rows=chunk_rows, page_table=page_table, kernel=kernel)
+        if isinstance(graph, Seq2SeqGraph):  # the decoder, reading each row's source
+            token_rows = jnp.arange(n, dtype=jnp.int32)
+            if C:
+                token_rows = jnp.concatenate([token_rows, jnp.clip(chunk.rows, 0, B - 1)])
+            return seq2seq_ragged.ragged_layers(graph, params, pages, tokens, positions,
+                                                layout, state.cross, token_rows, n=n)
         return ragged_layers(graph, params, pages, tokens, positions, layout, n=n, lora=lora,
                              lora_mix=token_mix)
 
@@ -218,7 +237,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
                                h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
         new = DecodeState(pages, state.positions.at[:n].set(positions),
                           state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
-                          state.sampling, history)
+                          state.sampling, history, state.cross)
         return new, _pad_columns(out, B + R)
 
     # A step with a chunk: one decode step of rows 0 .. n-1 plus the chunk's tokens.
@@ -260,7 +279,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         new_positions.at[finish_rows].set(last_pos + 1, mode="drop"),
         new_tokens.at[finish_rows].set(res.tokens[n:], mode="drop"),
         new_steps.at[finish_rows].set(chunk.finish_steps + 1, mode="drop"),
-        state.sampling.set_rows(finish_rows, chunk.sampling), history)
+        state.sampling.set_rows(finish_rows, chunk.sampling), history, state.cross)
     out = _as_output(res)  # [1, n + R]: decode rows, then the finished prompts
     dec = jax.tree.map(lambda a: a[:, :n], out)
     fin = jax.tree.map(lambda a: a[:, n:], out)
@@ -288,3 +307,18 @@ def beam_set(state: DecodeState, rows: jax.Array, tokens: jax.Array, positions: 
     return dataclasses.replace(
         state, pages=pages, tokens=jnp.where(rows, tokens, state.tokens),
         positions=jnp.where(rows, positions, state.positions))
+
+
+def encode(graph: Seq2SeqGraph, params: LayerParams, state: DecodeState, rows: jax.Array,
+           ids: jax.Array, lens: jax.Array) -> DecodeState:
+    """An encoder-decoder's encoder over the sources of rows being admitted (state donated):
+    rows [R] int32 (B = unused), ids [R, S'] int32 (right-padded to a source bucket), lens [R]
+    int32; each row's cross-attention keys and values are written (`encode_sources`)."""
+    cross = seq2seq_ragged.encode_sources(graph, params, state.cross, rows, ids, lens)
+    return dataclasses.replace(state, cross=cross)
+
+
+def copy_sources(state: DecodeState, dst: jax.Array, src: jax.Array) -> DecodeState:
+    """Rows `dst[i]` take rows `src[i]`'s sources ([B] int32 each; dst B = unused): forked
+    beams of a request whose rows did not hold its source yet (state donated)."""
+    return dataclasses.replace(state, cross=seq2seq_ragged.copy_rows(state.cross, dst, src))

@@ -47,6 +47,13 @@ LogicalAxes = tuple[str | None, ...]
 AxesTable = dict[str, "LogicalAxes | AxesTable"]
 """Logical axes of a module's params, keyed like its `nnx.to_pure_dict` (nested per submodule)."""
 
+
+def stacked_axes(table: AxesTable, axis: str = "layers") -> AxesTable:
+    """`table` with `axis` prepended to every entry: the axes of params stacked `[L, ...]`."""
+    return {k: stacked_axes(v, axis) if isinstance(v, dict) else (axis, *v)
+            for k, v in table.items()}
+
+
 # Logical axes of each module's params, beside the shapes above: engine/sharding.py maps them
 # to mesh axes. A new parameter needs its entry here (sharding fails loudly on a missing one).
 NORM_AXES: AxesTable = {"weight": ("embed",)}

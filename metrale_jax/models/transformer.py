@@ -26,6 +26,7 @@ from metrale_jax.models.layers import (
     RMSNorm,
     embed_tokens,
     lm_logits,
+    stacked_axes,
 )
 
 
@@ -75,12 +76,6 @@ BLOCK_AXES: AxesTable = {
     "attn_norm": NORM_AXES, "attn": ATTENTION_AXES, "mlp_norm": NORM_AXES, "mlp": MLP_AXES,
     "post_attn_norm": NORM_AXES, "post_mlp_norm": NORM_AXES,
 }
-
-
-def stacked_axes(table: AxesTable, axis: str = "layers") -> AxesTable:
-    """`table` with `axis` prepended to every entry: the axes of params stacked `[L, ...]`."""
-    return {k: stacked_axes(v, axis) if isinstance(v, dict) else (axis, *v)
-            for k, v in table.items()}
 
 
 class Transformer(nnx.Module):
@@ -165,6 +160,10 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positi
 
 def abstract_model(cfg: ModelConfig,
                    dtype: jnp.dtype = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
-    """The graphdef and a params pytree of `jax.ShapeDtypeStruct`s, allocating nothing."""
+    """The graphdef and a params pytree of `jax.ShapeDtypeStruct`s, allocating nothing (an
+    encoder-decoder config: its `M2M100`'s)."""
+    if cfg.encoder_decoder is not None:
+        from metrale_jax.models.m2m100 import abstract_m2m100
+        return abstract_m2m100(cfg.encoder_decoder, dtype)
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)

@@ -32,16 +32,21 @@ class BeamSearch:
         early_stopping: True (stop once W hypotheses are finished), False (stop when the best
             running beam at its current length cannot beat the worst finished one) or
             "never" (the same with the longest possible length when length_penalty > 0).
+        length_offset: prompt tokens counted as generated in the lengths the penalty and the
+            "never" heuristic use (1 for a translation's forced target language token, which
+            transformers generates).
     """
 
     def __init__(self, width: int, max_new: int, eos: frozenset[int], min_new: int = 0,
-                 length_penalty: float = 1.0, early_stopping: bool | str = False):
+                 length_penalty: float = 1.0, early_stopping: bool | str = False,
+                 length_offset: int = 0):
         self.width = width
         self.max_new = max_new
         self.eos = eos
         self.min_new = min_new
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
+        self.length_offset = length_offset
         self.keep = max(2, 1 + len(eos)) * width
         self.generated = 0  # tokens generated so far by every running beam
         self.running: list[tuple[int, ...]] = [()] * width
@@ -83,7 +88,7 @@ class BeamSearch:
         running_scores = (scores + hits.astype(np.float32) * _NEG)[order]
         # The W best finished hypotheses so far, merged with the ones that just stopped.
         just = hits & (np.arange(len(top)) < W)
-        length = np.float32((self.generated + 1) ** self.length_penalty)
+        length = np.float32((self.generated + 1 + self.length_offset) ** self.length_penalty)
         fin = scores / length
         if all(f for _, _, f in self.finished) and self.early_stopping is True:
             fin = fin + _NEG
@@ -100,9 +105,9 @@ class BeamSearch:
         # Whether the search goes on (transformers' _check_early_stop_heuristic and
         # _beam_search_has_unfinished_sequences).
         if self.early_stopping == "never" and self.length_penalty > 0:
-            best_len = self.max_new
+            best_len = self.max_new + self.length_offset
         else:
-            best_len = self.generated
+            best_len = self.generated + self.length_offset
         best_possible = self.scores[0] / np.float32(best_len ** self.length_penalty)
         is_finished = np.array([f for _, _, f in self.finished], bool)
         fin_scores = np.array([s for _, s, _ in self.finished], np.float32)

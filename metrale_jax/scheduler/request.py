@@ -30,6 +30,9 @@ class GenerationRequest:
     request ends with `TimedOut` (None = no deadline). tenant and cache_salt: the prefix
     cache's isolation key (who is calling, and a secret the caller may add): requests share
     cached pages only when both are equal (None and None: the public namespace).
+    source: for an encoder-decoder (translation) model, the encoder's input ids (the text to
+    translate); `prompt_ids` are then the decoder's prompt (`[</s>, target language]` for
+    NLLB). Empty for a decoder-only model.
     """
 
     prompt_ids: tuple[int, ...]
@@ -38,16 +41,19 @@ class GenerationRequest:
     deadline: float | None = None
     tenant: str | None = None
     cache_salt: str | None = None
+    source: tuple[int, ...] = ()
 
     @classmethod
     def make(cls, prompt_ids: Sequence[int], params: SamplingParams,
              timeout: float | None = None, request_id: str | None = None,
-             tenant: str | None = None, cache_salt: str | None = None) -> GenerationRequest:
+             tenant: str | None = None, cache_salt: str | None = None,
+             source: Sequence[int] = ()) -> GenerationRequest:
         """Builds a request; `timeout` seconds from now becomes the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         kw = {"request_id": request_id} if request_id else {}
         return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline,
-                   tenant=tenant, cache_salt=cache_salt, **kw)
+                   tenant=tenant, cache_salt=cache_salt,
+                   source=tuple(int(t) for t in source), **kw)
 
 
 class RequestHandle:

@@ -146,6 +146,18 @@ class Scheduler:
         n = len(request.prompt_ids)
         if n == 0:
             raise InvalidParameterError("the prompt must not be empty", param="prompt")
+        if self.engine.encoder_decoder:
+            if not request.source:
+                raise InvalidParameterError("a translation model needs the text to translate",
+                                            param="messages")
+            self.engine.check_source(len(request.source))
+            vocab = self.engine.model_config.vocab_size
+            if min(request.source) < 0 or max(request.source) >= vocab:
+                raise InvalidParameterError(f"source token ids must be in [0, {vocab})",
+                                            param="prompt")
+        elif request.source:
+            raise InvalidParameterError("a source (text to translate) is for translation "
+                                        "models; this model is decoder-only", param="source")
         vocab = self.engine.model_config.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})",
@@ -581,8 +593,9 @@ class Scheduler:
                         self.stats["prefix_cache_queries"] += seq.prompt_len
                         self.stats["prefix_cache_hits"] += seq.cached_tokens
             self.engine.reserve(slot, end)
+            source = seq.request.source if start == 0 else ()
             out.append((Piece(slot, tuple(seq.feed[start:end]), start, settings,
-                              first_generated, prefix, seq.lora), seq))
+                              first_generated, prefix, seq.lora, source), seq))
             used += size
             if start:
                 flops_left -= cost.piece_flops(size, start)
@@ -661,9 +674,13 @@ class Scheduler:
         prompt; the others wait, empty, for the first step's fork."""
         p, group = seq.request.params, seq.beam
         eos = frozenset(() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)
+        # A translation's target language token is forced, and transformers counts it as
+        # generated (lengths are counted after the decoder start token).
+        counted = seq.prompt_len - 1 if seq.request.source else 0
         group.search = BeamSearch(p.num_beams, min(p.max_tokens or self.max_len,
                                                    self.max_len - seq.prompt_len),
-                                  eos, p.min_tokens, p.length_penalty, p.early_stopping)
+                                  eos, p.min_tokens, p.length_penalty, p.early_stopping,
+                                  length_offset=counted)
         for i, slot in enumerate(group.rows[1:], 1):
             helper = Sequence(seq.request, _NO_EVENTS, self.tokenizer, self.eos_token_ids,
                               self.max_len, lora=seq.lora)
@@ -735,7 +752,7 @@ class Scheduler:
             seq.handle.post(Token(best.token_ids, best.text))
         stop = best.token_ids[-1] if best.finish_reason == "stop" and \
             best.token_ids[-1] not in self.eos_token_ids else None
-        seq.handle.post(Finished(best.finish_reason, seq.prompt_len, len(best.token_ids),
+        seq.handle.post(Finished(best.finish_reason, seq.input_tokens, len(best.token_ids),
                                  stop, "", seq.cached_tokens or 0, hyps))
         self.stats["finished"] += 1
         self.stats["tokens"] += len(best.token_ids)

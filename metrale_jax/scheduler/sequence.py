@@ -71,6 +71,12 @@ class Sequence:
         self.seeded = False
         self.cached_tokens: int | None = None
 
+    @property
+    def input_tokens(self) -> int:
+        """The tokens the model read as input: the prompt, plus an encoder-decoder's source
+        (the usage's prompt tokens)."""
+        return self.prompt_len + len(self.request.source)
+
     def all_ids(self) -> list[int]:
         """The sequence so far: prompt ids, then the generated ids."""
         return list(self.request.prompt_ids) + self.token_ids
@@ -167,7 +173,7 @@ class Sequence:
             tail += self.stops.flush()
         # Held until the scheduler has freed the row (`post_final`): a client that saw its
         # request end sees its row and pages free.
-        self.final = Finished(reason, self.prompt_len, self.num_generated, stop_reason, tail,
+        self.final = Finished(reason, self.input_tokens, self.num_generated, stop_reason, tail,
                               self.cached_tokens or 0)
 
     def post_final(self) -> None:

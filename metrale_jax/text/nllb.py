@@ -167,8 +167,9 @@ class NllbTokenizer(Tokenizer):
         if code not in self._lang_ids:
             raise InvalidParameterError(
                 f"unknown language code {code!r}: NLLB expects a FLORES-200 code such as "
-                f"'eng_Latn' or 'fra_Latn' ({len(self._lang_ids)} known; see "
-                "NllbTokenizer.lang_codes() for the list)", param="lang")
+                f"'eng_Latn' or 'fra_Latn' ({len(self._lang_ids)} known: the server's "
+                "GET /v1/models lists them under translation.languages, the Python API's "
+                "LLM.tokenizer.lang_codes() returns them)", param="lang")
         return code
 
     def lang_id(self, code: str) -> int:

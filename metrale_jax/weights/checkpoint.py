@@ -77,6 +77,11 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         check_dtype(dtype)
     path, fmt = resolve(model)
     start = time.perf_counter()
+    from metrale_jax.weights.m2m100_reader import is_m2m100_folder, load_m2m100_checkpoint
+    if fmt in ("hf", "orbax") and is_m2m100_folder(path, fmt):  # a translation model
+        ckpt = load_m2m100_checkpoint(str(model), path, fmt, dtype, shardings)
+        log.info("loaded %s (M2M100, %s) in %.1fs", path, fmt, time.perf_counter() - start)
+        return ckpt
     if fmt == "orbax":
         from metrale_jax.weights.orbax_store import load_orbax, read_metadata
         placed = None

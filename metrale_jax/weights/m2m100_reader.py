@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from metrale_jax.config import check_dtype
+from metrale_jax.config import ModelConfig, check_dtype
 from metrale_jax.errors import CheckpointError
 from metrale_jax.models.m2m100 import M2M100, M2M100Config, abstract_m2m100
 
@@ -277,3 +277,47 @@ def load_m2m100_orbax(path: Path | str, dtype: str | None = None,
     state = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state), cfg, meta.get("generation_config") or {}
+
+
+# ---- the loader's entry -----------------------------------------------------------------------
+
+def is_m2m100_folder(path: Path, fmt: str) -> bool:
+    """Whether `path` (a folder of format "hf" or "orbax") holds an M2M100/NLLB model."""
+    try:
+        if fmt == "hf":
+            return json.loads((path / "config.json").read_text()).get("model_type") == "m2m_100"
+        if fmt == "orbax":
+            return json.loads((path / "metrale.json").read_text()).get("family") == FAMILY
+    except (OSError, json.JSONDecodeError):
+        return False
+    return False
+
+
+def load_m2m100_checkpoint(name: str, path: Path, fmt: str, dtype: str | None,
+                           shardings: Callable | None = None):
+    """A `Checkpoint` of an M2M100/NLLB folder (format "hf" or "orbax"): its config is the
+    engine's `ModelConfig` (`ModelConfig.for_m2m100`), its tokenizer an `NllbTokenizer`,
+    no chat template. `shardings` (the placement hook) is called with the config before any
+    weight is read; the params load on the default device and the engine places them."""
+    from metrale_jax.text.nllb import load_nllb_tokenizer
+    from metrale_jax.weights.loaded import Checkpoint
+
+    if fmt == "orbax":
+        meta = json.loads((path / "metrale.json").read_text())
+        cfg = M2M100Config.from_dict(meta["config"])
+        stored = meta["dtype"]
+        if shardings is not None:
+            shardings(ModelConfig.for_m2m100(cfg), dtype or stored)
+        model, cfg, generation = load_m2m100_orbax(path, dtype)
+        tokenizer = load_nllb_tokenizer(path / "tokenizer")
+        dtype = dtype or stored
+    else:
+        dtype = dtype or "float32"
+        cfg = read_m2m100_config(path)
+        if shardings is not None:
+            shardings(ModelConfig.for_m2m100(cfg), dtype)
+        model, cfg, generation = load_m2m100(path, dtype)
+        tokenizer = load_nllb_tokenizer(path)
+    graphdef, params = nnx.split(model)
+    return Checkpoint(name, path, fmt, ModelConfig.for_m2m100(cfg), graphdef, params, tokenizer,
+                      None, generation, dtype, None)

@@ -55,6 +55,12 @@ def _json_safe(value: Any) -> Any:
 
 def save_orbax(ckpt, dst: Path) -> Path:
     """Writes a loaded `Checkpoint` to `dst` (which must not exist yet); returns `dst`."""
+    if ckpt.config.is_encoder_decoder:  # M2M100 / NLLB: its own layout (family "m2m100")
+        from metrale_jax.weights.m2m100_reader import save_m2m100_orbax
+        tokens = ckpt.path if ckpt.format == "hf" else ckpt.path / "tokenizer"
+        return save_m2m100_orbax(nnx.merge(ckpt.graphdef, ckpt.params), dst, dtype=ckpt.dtype,
+                                 generation_config=ckpt.generation_config,
+                                 tokenizer_folder=tokens)
     dst = Path(dst).expanduser().resolve()
     if dst.exists():
         raise CheckpointError(f"{dst}: already exists; choose a new folder")

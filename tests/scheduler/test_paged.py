@@ -125,25 +125,27 @@ def test_a_long_prompt_rides_along_without_stopping_a_stream(tiny_llm):
     assert [t for e in short_tokens for t in e.token_ids] == list(alone[1].token_ids)
 
 
-def test_a_request_that_ended_reads_as_gone_before_its_row_is_freed(tiny_llm):
-    """The loop posts a request's last event, then frees its row: held in between, the
-    snapshot (what /v1/metrale/stats and /metrics read) already shows the slot free."""
+def test_a_request_that_ended_reads_as_gone_before_its_last_event(tiny_llm, monkeypatch):
+    """The loop frees a request's row, then posts its last event: held just after that post,
+    the snapshot (what /v1/metrale/stats and /metrics read) already shows the slot free (it
+    would show it used if the row were freed after the post)."""
     from metrale_jax.scheduler import Finished
+    from metrale_jax.scheduler.request import RequestHandle
     sched = tiny_llm.scheduler
-    entered, release = threading.Event(), threading.Event()
-    real = sched._free_slot
+    posted, release = threading.Event(), threading.Event()
+    real = RequestHandle.post
 
-    def held(slot):
-        entered.set()
-        release.wait(60)
-        real(slot)
+    def held(self, event):
+        real(self, event)
+        if isinstance(event, Finished):
+            posted.set()
+            release.wait(60)  # the loop waits here until the test has looked
 
-    sched._free_slot = held
+    monkeypatch.setattr(RequestHandle, "post", held)
     try:
         handle = sched.submit(GenerationRequest.make([1, 2, 3], SamplingParams(max_tokens=2)))
         assert isinstance(list(handle)[-1], Finished)
-        assert entered.wait(60)  # the loop is between the last event and freeing the row
+        assert posted.is_set()  # the loop is held just after the last event
         assert all(s is None for s in sched.snapshot()["slots"])
     finally:
         release.set()
-        del sched._free_slot

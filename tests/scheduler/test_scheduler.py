@@ -179,10 +179,13 @@ def test_full_queue_is_busy_and_stop_ends_every_stream(tiny_llm):
         gate.wait(10)
         return real_step(state, *args, **kwargs)
 
-    sched.engine = type("Slow", (), {})()  # a view of the engine whose step waits for us
-    for name in ("config", "model_config", "add", "init_decode_state", "warmup", "pages",
-                 "lengths", "release", "step_cost", "reuse_prefix", "reserve", "cache_pages"):
-        setattr(sched.engine, name, getattr(engine, name))
+    class Slow:
+        """A view of the engine whose step waits for the test's gate."""
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+    sched.engine = Slow()
     sched.engine.step = slow_step
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     handles = []
