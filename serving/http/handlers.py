@@ -1,5 +1,8 @@
 """POST /v1/chat/completions and /v1/completions: validate, tokenize, submit, answer.
 
+On a translation model the text to translate and its languages come from the same requests
+(serving/http/translation.py) and the answers have the same shapes.
+
 Non-streaming answers collect every choice; streaming answers are SSE chunks in OpenAI's order
 (role delta, content deltas, the finish chunk of each choice, the usage chunk, `[DONE]`). An
 error after the stream started is sent as an error event followed by `[DONE]`.
@@ -14,6 +17,7 @@ from typing import Any
 
 from metrale_jax.errors import MetraleError
 from metrale_jax.scheduler import Finished, Token
+from serving.http import translation
 from serving.http.chat_output import ChatOutput, ChoiceStream
 from serving.http.errors import InternalError
 from serving.http.generation import ChoiceState, Generation
@@ -56,6 +60,18 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
     """Validates a chat request against the model, renders and tokenizes it, submits it."""
     rt = state.require_ready()
     lora = state.check_model(req.model, req.lora)
+    if rt.is_translation:
+        translation.check_chat_request(req)
+        req.validate_semantics()
+        params = dataclasses.replace(req.sampling_params(req.max_new_tokens,
+                                                         req.num_logprobs), lora=lora)
+        gen = _translate(state, rt, req, [translation.chat_text(req)], params, request_id,
+                         "messages")
+        env = Envelope("chatcmpl", "chat.completion", state.settings.model_name,
+                       rt.fingerprint)
+        return Prepared(gen, env, req.stream, req.include_usage, req.logprobs,
+                        token_ids=req.return_token_ids)
+    translation.refuse_languages(req, state.settings.model_name)
     req.validate_semantics()
     prompt = rt.encode_chat(req.template_messages(),
                             add_generation_prompt=req.add_generation_prompt,
@@ -83,6 +99,17 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
     """Validates a completion request, tokenizes its prompts, submits every choice."""
     rt = state.require_ready()
     lora = state.check_model(req.model, req.lora)
+    if rt.is_translation:
+        translation.check_completion_request(req)
+        req.validate_semantics()
+        params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.logprobs),
+                                     lora=lora)
+        gen = _translate(state, rt, req, [str(p) for p in req.prompts], params, request_id,
+                         "prompt")
+        env = Envelope("cmpl", "text_completion", state.settings.model_name, rt.fingerprint)
+        return Prepared(gen, env, req.stream, req.include_usage, req.logprobs is not None,
+                        token_ids=req.return_token_ids)
+    translation.refuse_languages(req, state.settings.model_name)
     req.validate_semantics()
     prompts, texts = [], []
     for p in req.prompts:
@@ -102,6 +129,21 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
     echo = [texts[c.prompt_index] for c in gen.choices] if req.echo else None
     return Prepared(gen, env, req.stream, req.include_usage, req.logprobs is not None, echo,
                     token_ids=req.return_token_ids)
+
+
+def _translate(state: ServerState, rt: ModelRuntime, req: Any, texts: list[str],
+               params: Any, request_id: str, prompt_param: str) -> Generation:
+    """Submits the translations of `texts` (n choices each) in the request's languages;
+    `prompt_param` is the field errors about the text name ("messages" or "prompt")."""
+    s = state.settings
+    inputs = translation.inputs(rt.tokenizer, texts, req, s.source_lang, s.target_lang,
+                                prompt_param)
+    gen = Generation(rt, state.metrics, [x.prompt for x in inputs], params, req.n,
+                     _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
+                     sources=[x.source for x in inputs])
+    gen.check(prompt_param)
+    gen.submit()
+    return gen
 
 
 async def collect(prep: Prepared) -> None:

@@ -122,6 +122,13 @@ class _Sampling(_Body):
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
     early_stopping: bool | Literal["never"] | None = None
+    # Translation models (serving/http/translation.py): FLORES-200 codes of the text's and
+    # the translation's languages, or NLLB's src_lang / tgt_lang; omitted (or "" or 0): the
+    # server's --source-lang / --target-lang. Checked against the tokenizer's codes there.
+    source_lang: Any = None
+    target_lang: Any = None
+    src_lang: Any = None
+    tgt_lang: Any = None
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -266,6 +273,10 @@ class ChatCompletionRequest(_Sampling):
         if self.enable_thinking is not None:
             kwargs["enable_thinking"] = self.enable_thinking
         return kwargs
+
+    def message_text(self, index: int) -> str:
+        """The text of message `index` (its content parts joined; "" for none)."""
+        return _content_text(self.messages[index].content, index)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template wants them (content parts joined into text,

@@ -80,6 +80,7 @@ class ModelRuntime:
                 ckpt = load_checkpoint(s.model, s.dtype, shardings=hook, **progress_kwargs(
                     load_checkpoint, step if self.progress else None))
             self.checkpoint = ckpt
+            check_languages(ckpt, s.source_lang, s.target_lang)
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                             placement=hook.placement)
             # The engine holds its own (per-layer, placed) params: drop the loaded stacked
@@ -207,6 +208,12 @@ class ModelRuntime:
         return self.settings.max_slots or 0
 
     @property
+    def is_translation(self) -> bool:
+        """True when the model is an encoder-decoder (translation) model (NLLB / M2M100)."""
+        return self.checkpoint is not None and bool(
+            getattr(self.checkpoint.config, "is_encoder_decoder", False))
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """The generation config's eos ids, else the model's, else the tokenizer's."""
         ckpt = self.checkpoint
@@ -227,6 +234,11 @@ class ModelRuntime:
                                 "created": self.created, "owned_by": "metrale",
                                 "root": str(self.settings.model), "parent": None,
                                 "max_model_len": self.max_len}
+        if self.is_translation:
+            from serving.http.translation import model_info
+            card["task"] = "translation"
+            card["translation"] = model_info(self.tokenizer, self.settings.source_lang,
+                                             self.settings.target_lang)
         return card
 
     def lora_cards(self) -> list[dict[str, Any]]:
@@ -281,3 +293,19 @@ class ModelRuntime:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def check_languages(checkpoint: Any, source_lang: str | None, target_lang: str | None) -> None:
+    """The default languages (`--source-lang` / `--target-lang`) against the loaded model:
+    codes its tokenizer knows on a translation model, none on a decoder-only one (raises
+    `InvalidParameterError`)."""
+    from metrale_jax.errors import InvalidParameterError
+    if getattr(checkpoint.config, "is_encoder_decoder", False):
+        from metrale_jax.translation import check_default_languages
+        check_default_languages(checkpoint.tokenizer, source_lang, target_lang)
+        return
+    for code, flag in ((source_lang, "--source-lang"), (target_lang, "--target-lang")):
+        if code is not None:
+            raise InvalidParameterError(
+                f"{flag} is for translation models (NLLB / M2M100); {checkpoint.name!r} is a "
+                "decoder-only model", param=flag[2:].replace("-", "_"))

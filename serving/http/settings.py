@@ -36,6 +36,11 @@ class ServerSettings:
         scale}; POST /lora-adapters changes them while serving (llama.cpp's global scales).
     enable_lora_runtime_updates: POST /v1/load_lora_adapter and /v1/unload_lora_adapter work
         (otherwise they answer 400).
+    source_lang, target_lang: a translation model's default languages (FLORES-200 codes such
+        as "eng_Latn"), for requests that name none (serving/http/translation.py); None: a
+        request must name it. Checked against the tokenizer once the model loads; set on a
+        decoder-only model, the loading fails. (The longest source a translation model holds
+        is the engine's `max_source_len`, in `engine_options`.)
     """
 
     model: str = "default"
@@ -59,6 +64,8 @@ class ServerSettings:
     loras: dict[str, str] = dataclasses.field(default_factory=dict)
     active_lora: dict[str, float] = dataclasses.field(default_factory=dict)
     enable_lora_runtime_updates: bool = False
+    source_lang: str | None = None
+    target_lang: str | None = None
 
     @property
     def model_name(self) -> str:
