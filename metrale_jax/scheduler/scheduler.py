@@ -100,6 +100,9 @@ class Scheduler:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._cancelled: set[str] = set()
         self._slots: list[Sequence | None] = [None] * self.num_slots
+        # Beam rows to set and pages to copy before the next step (`_flush_beams`).
+        self._beam_sets: list[tuple[int, int, int]] = []
+        self._beam_copies: list[tuple[int, int]] = []
         self._prefilling: list[int] = []  # slots whose prompt is being prefilled, in order
         self._running = True
         self._ready = threading.Event()
@@ -415,6 +418,7 @@ class Scheduler:
                 log.exception("batching loop iteration failed")
                 self.stats["loop_errors"] += 1
                 pending.clear()
+                self._beam_sets, self._beam_copies = [], []
                 self._fail_slots(e)
                 try:
                     self.state = self.engine.init_decode_state()
@@ -731,7 +735,8 @@ class Scheduler:
             row.feed = prompt + list(search.running[c])
             row.fed = len(row.feed)
             sets.append((slot, search.running[c][-1], written))
-        self.state = self.engine.beam_set(self.state, sets, copies)
+        self._beam_sets += sets  # one beam_set for every search at the end of `_consume`
+        self._beam_copies += copies
         group.rows = new_rows
         group.ready = True  # its rows decode in the next step
 
@@ -784,6 +789,15 @@ class Scheduler:
                 self._free_slot(slot)
                 seq.post_final()
                 self.stats["finished"] += 1
+        self._flush_beams()
+
+    def _flush_beams(self) -> None:
+        """Sets every beam row that a search step moved (and makes the page copies of their
+        forks) in one `beam_set` program, whatever the number of searches."""
+        if self._beam_sets:
+            sets, copies = self._beam_sets, self._beam_copies
+            self._beam_sets, self._beam_copies = [], []
+            self.state = self.engine.beam_set(self.state, sets, copies)
 
     def _fail_slots(self, error: BaseException) -> None:
         for i, seq in enumerate(self._slots):
