@@ -14,6 +14,7 @@ from typing import Literal
 
 from metrale_jax.errors import CheckpointError, InvalidParameterError
 from metrale_jax.m2m100_config import M2M100Config
+from metrale_jax.vision_config import VisionConfig
 
 Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "m2m_100"]
 ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
@@ -57,6 +58,8 @@ class ModelConfig:
             NLLB-200), its full `models.m2m100.M2M100Config`; the other fields then describe
             its decoder (the part the engine's paged steps run: L decoder layers of H heads,
             K = H, the decoder FFN as `intermediate_size`). None for decoder-only models.
+        vision: for a vision-language model (LLaVA), its vision encoder's
+            `VisionConfig`; the other fields describe the text model. None for text only.
     """
 
     architecture: Architecture
@@ -86,6 +89,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     encoder_decoder: M2M100Config | None = None
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -148,6 +152,8 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         if d.get("encoder_decoder") is not None:
             d["encoder_decoder"] = M2M100Config.from_dict(d["encoder_decoder"])
+        if d.get("vision") is not None:
+            d["vision"] = VisionConfig.from_dict(d["vision"])
         return cls(**d)
 
 

@@ -66,6 +66,8 @@ class LLM:
             not fit); the engine gets max(4, len(loras)) adapter slots unless `max_loras` says.
         source_lang, target_lang: a translation model's default languages (FLORES-200 codes)
             for `translate`.
+        allowed_media_domains: a vision-language model's http(s) image URLs are fetched only
+            from these domains (and their subdomains); none = data: URLs and PIL images only.
         Further keyword arguments go to `EngineConfig`.
 
     The mesh and memory plan are decided while the checkpoint loads, before any weight is
@@ -78,6 +80,7 @@ class LLM:
                  mesh: str | tuple[int, int] | None = None, memory_gb: float | None = None,
                  warmup: bool = False, loras: dict[str, str | Path] | None = None,
                  source_lang: str | None = None, target_lang: str | None = None,
+                 allowed_media_domains: Sequence[str] | None = None,
                  **engine_options: Any):
         from metrale_jax.engine.config import EngineConfig
         from metrale_jax.engine.placement import PlacementHook
@@ -91,6 +94,11 @@ class LLM:
         self._scheduler = None
         self._warmup = warmup
         self.source_lang, self.target_lang = source_lang, target_lang
+        from metrale_jax.vision.media import ImageLimits
+        self.image_limits = ImageLimits(
+            max_images=self._placement.config.max_images,
+            allowed_domains=tuple(allowed_media_domains or ()))
+        self._image_processor = None
         if self.checkpoint.config.is_encoder_decoder:
             from metrale_jax.translation import check_default_languages
             check_default_languages(self.checkpoint.tokenizer, source_lang, target_lang)
@@ -110,7 +118,7 @@ class LLM:
             from metrale_jax.scheduler import Scheduler
             ckpt = self.checkpoint
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
-                            placement=self._placement.placement)
+                            placement=self._placement.placement, vision=ckpt.vision)
             scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
                                   warmup=self._warmup, loras=self.loras)
             if not scheduler.wait_ready():
@@ -142,14 +150,15 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def _submit(self, prompt_ids: list[int], params, source: Sequence[int] = ()):
+    def _submit(self, prompt_ids: list[int], params, source: Sequence[int] = (),
+                images: Sequence[Any] = ()):
         from metrale_jax.scheduler import GenerationRequest
         if self.config.is_encoder_decoder and not source:
             raise InvalidParameterError(
                 f"model {self.checkpoint.name!r} is a translation model: use translate()",
                 param="prompt")
         return self.scheduler.submit(GenerationRequest.make(prompt_ids, params,
-                                                            source=source))
+                                                            source=source, images=images))
 
     def translate(self, texts: str | Sequence[str], source_lang: str | None = None,
                   target_lang: str | None = None, sampling_params=None, *,
@@ -208,12 +217,52 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]], sampling_params=None,
              **template_kwargs: Any) -> Completion:
-        """Applies the chat template to `messages` and generates the assistant's answer."""
-        return self.generate([self._chat_ids(messages, **template_kwargs)], sampling_params)[0]
+        """Applies the chat template to `messages` and generates the assistant's answer.
+
+        A vision-language model takes images as content parts: `{"type": "image_url",
+        "image_url": {"url": "data:image/png;base64,..."}}` (http(s) URLs only from the
+        domains in `LLM(..., allowed_media_domains=...)`) or `{"type": "image", "image":
+        <a PIL image>}`."""
+        from metrale_jax.completion import collect
+        from metrale_jax.scheduler import SamplingParams
+        ids, images = self._chat_request(messages, **template_kwargs)
+        return collect(self._submit(ids, sampling_params or SamplingParams(), images=images))
+
+    def _chat_request(self, messages, **template_kwargs) -> tuple[list[int], tuple]:
+        """(the prompt ids of a chat, its `PromptImage`s)."""
+        from metrale_jax.vision.prompt import split_image_parts
+        messages, refs = split_image_parts(messages)
+        if refs and self.config.vision is None:
+            raise InvalidParameterError(f"model {self.checkpoint.name!r} takes no images: it "
+                                        "is a text-only model", param=refs[0].param)
+        text = self.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if self.config.vision is None:
+            return ids, ()
+        from metrale_jax.vision.prompt import expand_placeholders, load_refs, prompt_images
+        images, digests = load_refs(refs, self.image_limits)
+        ids, offsets = expand_placeholders(ids, self.config.vision, len(refs))
+        return ids, prompt_images(images, offsets, digests, self.image_processor,
+                                  self.config.vision)
+
+    @property
+    def image_processor(self):
+        """A vision-language model's `vision.ImageProcessor` (from its
+        preprocessor_config.json): PIL image -> pixel_values `[C, H, W] float32`."""
+        if self._image_processor is None:
+            from metrale_jax.vision.image_processor import ImageProcessor
+            if self.checkpoint.image_processor is None:
+                raise InvalidParameterError(f"model {self.checkpoint.name!r} takes no images",
+                                            param="messages")
+            self._image_processor = ImageProcessor.from_hf(self.checkpoint.image_processor)
+        return self._image_processor
 
     def _chat_ids(self, messages, **template_kwargs) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids, images = self._chat_request(messages, **template_kwargs)
+        if images:
+            raise InvalidParameterError("streaming a chat with images: use chat()",
+                                        param="messages")
+        return ids
 
     def stream(self, prompt: str | Sequence[int], sampling_params=None) -> Iterator[str]:
         """Yields the text of one generation as it is produced."""

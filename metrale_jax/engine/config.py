@@ -76,6 +76,9 @@ class EngineConfig:
         input, in tokens) a row holds: each row keeps its source's cross-attention keys and
         values for that many positions. The encoder runs over `source_buckets`.
         Decoder-only models ignore it.
+    max_images: for a vision-language model, the images whose features the device holds at
+        once (the images of the prompts being prefilled; a request may send at most this
+        many). The vision program runs over `image_buckets` images at a time.
     """
 
     max_slots: int | None = 8
@@ -100,6 +103,7 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_source_len: int = 512
+    max_images: int = 8
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -135,6 +139,9 @@ class EngineConfig:
         if (not isinstance(self.max_source_len, int) or isinstance(self.max_source_len, bool)
                 or self.max_source_len < 2):
             raise bad("max_source_len", "must be an integer >= 2")
+        if (not isinstance(self.max_images, int) or isinstance(self.max_images, bool)
+                or self.max_images < 1):
+            raise bad("max_images", "must be an integer >= 1")
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -273,6 +280,16 @@ class EngineConfig:
             out.append(c)
             c *= 4
         return (*out, self.max_prefill_len)
+
+    @property
+    def image_buckets(self) -> tuple[int, ...]:
+        """The image counts the vision program is compiled for: powers of two below
+        max_images, then max_images."""
+        out, c = [], 1
+        while c < self.max_images:
+            out.append(c)
+            c *= 2
+        return (*out, self.max_images)
 
     @property
     def source_buckets(self) -> tuple[int, ...]:

@@ -49,11 +49,12 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine import compilation_cache, steps
 from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.images import ImagePool, PromptImage
 from metrale_jax.engine.pages import PageTable
 from metrale_jax.engine.placement import Placement, StepShardings, place
 from metrale_jax.engine.prefix_cache import PrefixCache
 from metrale_jax.engine.sampling_state import SamplingState
-from metrale_jax.engine.sharding import abstract_params, shard_params
+from metrale_jax.engine.sharding import abstract_params, replicated, shard_params
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput, settings_to_arrays
 from metrale_jax.engine.step_cost import StepCost
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
@@ -104,7 +105,8 @@ class Engine:
     """
 
     def __init__(self, model_config: ModelConfig, graphdef: nnx.GraphDef, params: LayerParams,
-                 engine_config: EngineConfig | None = None, placement: Placement | None = None):
+                 engine_config: EngineConfig | None = None, placement: Placement | None = None,
+                 vision: tuple[nnx.GraphDef, Any] | None = None):
         placement = placement or place(model_config, engine_config or EngineConfig())
         cfg = placement.config
         self.config = cfg
@@ -123,11 +125,24 @@ class Engine:
             raise InvalidParameterError("LoRA adapters are for decoder-only models; this is "
                                         "an encoder-decoder (translation) model",
                                         param="max_loras")
+        # A vision-language model: its vision encoder (replicated) and the image pool.
+        self.vision = model_config.vision
+        if (self.vision is None) != (vision is None):
+            raise InvalidParameterError("a vision-language model needs its vision encoder "
+                                        "(and only such a model has one)", param="vision")
+        self.images = (ImagePool(cfg.max_images, self.vision.tokens_per_image)
+                       if self.vision is not None else None)
+        self._vision_def = vision[0] if vision is not None else None
         split = split_seq2seq if self.encoder_decoder else split_layers
         self.graph, layers = split(graphdef, params)
         del params
         self.params = shard_params(layers, self.mesh)
         del layers
+        self.vision_params = None
+        if vision is not None:
+            self.vision_params = jax.device_put(
+                jax.tree.map(lambda x: jnp.asarray(x, dtype), vision[1]),
+                replicated(self.mesh))
         self.compile_count = 0
         self._compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
@@ -151,7 +166,9 @@ class Engine:
         ss = sh.state
         self._jit_init = jax.jit(
             functools.partial(steps.init_state, model_config, B, cfg.max_len, self.num_pages,
-                              cfg.page_size, self.cache_dtype, cfg.max_source_len),
+                              cfg.page_size, self.cache_dtype, cfg.max_source_len,
+                              cfg.max_images * (self.vision.tokens_per_image
+                                                if self.vision is not None else 0)),
             out_shardings=ss)
         self._state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -285,6 +302,47 @@ class Engine:
         self._source_copies = []
         return self._copy_sources_exe()(state, dst, src)
 
+    def _vision_exe(self, N: int):
+        """The vision encoder over N images, writing their features into the pool."""
+        v = self.vision
+        fn = jax.jit(functools.partial(steps.encode_images, self._vision_def),
+                     donate_argnums=(1,), out_shardings=self.shardings.state)
+        return self._executable(("vision", N), fn, _abstract(self.vision_params),
+                                self._state_spec,
+                                _spec((N, v.num_channels, v.image_size, v.image_size),
+                                      jnp.float32),
+                                _spec((N,), jnp.int32))
+
+    def check_images(self, count: int) -> None:
+        """Raises unless a request may send `count` images (a vision-language model's pool
+        holds `max_images`; a text-only model takes none)."""
+        if count and self.vision is None:
+            raise InvalidParameterError("this model takes no images: it is a text-only "
+                                        "model", param="messages")
+        if count > self.config.max_images:
+            raise InvalidParameterError(
+                f"{count} images in one request; this server takes at most "
+                f"{self.config.max_images} (--max-images)", param="messages")
+
+    def _encode_images(self, state: DecodeState, pieces: Sequence[Piece]) -> DecodeState:
+        """Runs the vision encoder over the pieces' images that their rows do not hold yet
+        (each given a pool slot), in image buckets."""
+        todo = []
+        for p in pieces:
+            for im in self.images.missing(p.slot, p.images):
+                todo.append((self.images.assign(p.slot, im), im))
+        buckets = self.config.image_buckets
+        while todo:
+            N = next((b for b in buckets if len(todo) <= b), buckets[-1])
+            group, todo = todo[:N], todo[N:]
+            v = self.vision
+            pixels = np.zeros((N, v.num_channels, v.image_size, v.image_size), np.float32)
+            dst = np.full(N, self.config.max_images, np.int32)
+            for i, (slot, im) in enumerate(group):
+                pixels[i], dst[i] = im.pixels, slot
+            state = self._vision_exe(N)(self.vision_params, state, pixels, dst)
+        return state
+
     def _beam_set_exe(self):
         """The program that moves beam rows between two decode steps (`steps.beam_set`)."""
         i32, B = jnp.int32, self.config.max_slots
@@ -367,7 +425,8 @@ class Engine:
             chunk_spec = steps.ChunkInputs(
                 _spec((chunk,), i32), _spec((chunk,), i32), _spec((chunk,), i32),
                 _spec((chunk,), jnp.bool_), _spec((R,), i32), _spec((R,), i32),
-                _spec((R,), i32), self._sampling_spec(R), self._mask_spec(R))
+                _spec((R,), i32), self._sampling_spec(R), self._mask_spec(R),
+                _spec((chunk,), i32) if self.vision is not None else None)
         lora_spec = rows_spec = None
         if self.lora is not None:
             lora_spec, rows_spec = _abstract(self.lora), _spec(self.lora_mix.shape, jnp.float32)
@@ -395,6 +454,8 @@ class Engine:
         jobs = [self._init_exe, self._seed_exe]
         if self.config.decode_steps == 1:  # beam search's program (it needs decode_steps 1)
             jobs.append(self._beam_set_exe)
+        if self.vision is not None:
+            jobs += [functools.partial(self._vision_exe, N) for N in self.config.image_buckets]
         if self.encoder_decoder:
             jobs += [functools.partial(self._encode_exe, S) for S in self.config.source_buckets]
             jobs.append(self._copy_sources_exe)
@@ -417,6 +478,8 @@ class Engine:
         self.lora_mix[:] = 0
         self.source_of[:] = -1
         self._source_copies = []
+        if self.images is not None:
+            self.images.release_all()
         return self._init_exe()()
 
     def _allowed(self, rows: int, allowed: np.ndarray | None):
@@ -424,7 +487,7 @@ class Engine:
             return allowed
         if rows not in self._all_allowed:
             self._all_allowed[rows] = jax.device_put(self.all_allowed(rows),
-                                                     self.shardings.replicated)
+                                                     replicated(self.mesh))
         return self._all_allowed[rows]
 
     def check_prompt(self, n: int) -> None:
@@ -444,6 +507,8 @@ class Engine:
         self.lengths[slot] = 0
         self.lora_mix[slot] = 0
         self.source_of[slot] = -1
+        if self.images is not None:
+            self.images.release(slot)
 
     def reuse_prefix(self, slot: int, keys: Sequence[str], budget: int) -> int:
         """Row `slot` shares the longest run of cached pages with `keys` (the content keys of
@@ -537,6 +602,8 @@ class Engine:
         cfg, B = self.config, self.config.max_slots
         if self.encoder_decoder:
             state = self._encode_sources(self._copy_sources(state), pieces)
+        if self.images is not None and pieces:
+            state = self._encode_images(state, pieces)
         if active is None:
             active = self.lengths > 0
         active = np.asarray(active, np.bool_)
@@ -571,6 +638,8 @@ class Engine:
                                         self.pages.pages_per_seq * cfg.page_size)
         for piece in finishing:
             self.lengths[piece.slot] = piece.start + len(piece.tokens)
+            if self.images is not None:  # its features are in the pages now
+                self.images.release(piece.slot)
         return state, out
 
     def _lora_args(self) -> tuple:
@@ -647,8 +716,16 @@ class Engine:
                     allowed[r] = p.settings.first_mask
                 r += 1
         sampling = settings_to_arrays([p.settings for p in finishing], R, self.vocab_size)
+        image_rows = None
+        if self.images is not None:
+            image_rows = np.full(C, -1, np.int32)
+            at = 0
+            for p in pieces:
+                m = len(p.tokens)
+                image_rows[at:at + m] = self.images.rows_for(p.slot, p.start, m, p.images)
+                at += m
         return steps.ChunkInputs(tokens, rows, positions, generated, finish_index, finish_rows,
-                                 finish_steps, sampling, allowed), finishing
+                                 finish_steps, sampling, allowed, image_rows), finishing
 
     def add(self, state: DecodeState, items: Sequence[Item],
             sources: Sequence[Sequence[int]] | None = None) -> tuple[DecodeState, StepOutput]:
@@ -718,7 +795,8 @@ class Piece:
     LoRA adapters as (slot, weight) pairs (empty: none), for this piece and the row's
     decoding after it. source: an encoder-decoder row's source (encoder input ids), on its
     first piece (start 0): the encoder runs over it before the step (`check_source`); else
-    empty."""
+    empty. images: a vision-language model's prompt images whose placeholder runs overlap
+    this piece (those the row does not hold yet are encoded before the step)."""
 
     slot: int
     tokens: tuple[int, ...]
@@ -728,6 +806,7 @@ class Piece:
     prefix: tuple[int, ...] = ()
     lora: tuple[tuple[int, float], ...] = ()
     source: tuple[int, ...] = ()
+    images: tuple[PromptImage, ...] = ()
 
     @classmethod
     def cut(cls, slot: int, ids: Sequence[int], settings: SlotSettings,

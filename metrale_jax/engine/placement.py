@@ -195,7 +195,8 @@ class StepShardings:
             positions=slots,
             tokens=slots, steps=slots, sampling=jax.tree.map(per_slot, spec.sampling),
             history=jax.tree.map(per_slot, spec.history),
-            cross=self._cross(model_config, config))
+            cross=self._cross(model_config, config),
+            images=self.replicated if model_config.vision is not None else None)
 
     def _cross(self, model_config: ModelConfig, config: EngineConfig) -> CrossCache | None:
         """An encoder-decoder's cross-attention buffers: slots on data, heads on model."""

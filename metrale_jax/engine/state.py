@@ -45,6 +45,9 @@ class DecodeState:
     penalties; a slot's tokens up to its position are valid.
     cross: an encoder-decoder's per-row source (`CrossCache`: cross-attention keys and values
     L x [B, S_src, H, D] and lengths [B]); None for a decoder-only model.
+    images: a vision-language model's image feature pool `[I * T_img, E]` (I images of T_img
+    features each, written by the vision program at admission and read by the prompt
+    pieces holding their placeholder tokens); None for a text-only model.
     """
 
     pages: tuple[jax.Array, ...]
@@ -54,6 +57,7 @@ class DecodeState:
     sampling: SamplingState
     history: TokenHistory
     cross: CrossCache | None = None
+    images: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine.sampling import SampleResult, sample
@@ -25,6 +26,7 @@ from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
 from metrale_jax.models.ragged import head as decoder_head
 from metrale_jax.models.seq2seq_ragged import CrossCache, Seq2SeqGraph
 from metrale_jax.models.unrolled import LayerGraph, LayerParams
+from metrale_jax.models.vision import encode_images as encode_vision
 
 
 def _as_output(res: SampleResult) -> StepOutput:
@@ -73,7 +75,9 @@ class ChunkInputs:
     int32, the sampling step of each one's next token (0, or the tokens it generated before
     a preemption: its key folds in the same step index as if it had never stopped); sampling:
     [R] rows of
-    `SamplingState`, their settings; allowed: [R, W] uint32, their first tokens' grammar masks.
+    `SamplingState`, their settings; allowed: [R, W] uint32, their first tokens' grammar masks;
+    image_rows: [C] int32 for a vision-language model, each token's row of the image feature
+    pool (`DecodeState.images`; -1: a text token), None otherwise.
     """
 
     tokens: jax.Array
@@ -85,13 +89,16 @@ class ChunkInputs:
     finish_steps: jax.Array
     sampling: SamplingState
     allowed: jax.Array
+    image_rows: jax.Array | None = None
 
 
 def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
-               cache_dtype: jnp.dtype, source_len: int = 0) -> DecodeState:
+               cache_dtype: jnp.dtype, source_len: int = 0,
+               image_rows: int = 0) -> DecodeState:
     """An empty decode state: greedy rows at position 0 and zero page pools
     (L x `[num_pages, page_size, 2K, D]`); the token history holds `length` positions; an
-    encoder-decoder's rows hold sources of up to `source_len` tokens (`CrossCache`)."""
+    encoder-decoder's rows hold sources of up to `source_len` tokens (`CrossCache`); a
+    vision-language model's image feature pool holds `image_rows` rows `[image_rows, E]`."""
     zeros = jnp.zeros((slots,), jnp.int32)
     shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
     return DecodeState(
@@ -100,7 +107,9 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
         sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
         history=TokenHistory.zeros(slots, length, cfg.vocab_size),
         cross=(CrossCache.zeros(cfg, slots, source_len, cache_dtype)
-               if cfg.is_encoder_decoder else None))
+               if cfg.is_encoder_decoder else None),
+        images=(jnp.zeros((image_rows, cfg.hidden_size), cache_dtype)
+                if cfg.vision is not None else None))
 
 
 def seed_history(state: DecodeState, row: jax.Array, tokens: jax.Array, length: jax.Array,
@@ -198,8 +207,12 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
                 token_rows = jnp.concatenate([token_rows, jnp.clip(chunk.rows, 0, B - 1)])
             return seq2seq_ragged.ragged_layers(graph, params, pages, tokens, positions,
                                                 layout, state.cross, token_rows, n=n)
+        images = None
+        if C and state.images is not None:  # image placeholders take their features
+            images = (jnp.concatenate([jnp.full((n,), -1, jnp.int32), chunk.image_rows]),
+                      state.images)
         return ragged_layers(graph, params, pages, tokens, positions, layout, n=n, lora=lora,
-                             lora_mix=token_mix)
+                             lora_mix=token_mix, images=images)
 
     def decode_once(carry):
         pages, positions, tokens, steps_, history = carry
@@ -237,7 +250,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
                                h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
         new = DecodeState(pages, state.positions.at[:n].set(positions),
                           state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
-                          state.sampling, history, state.cross)
+                          state.sampling, history, state.cross, state.images)
         return new, _pad_columns(out, B + R)
 
     # A step with a chunk: one decode step of rows 0 .. n-1 plus the chunk's tokens.
@@ -279,7 +292,8 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         new_positions.at[finish_rows].set(last_pos + 1, mode="drop"),
         new_tokens.at[finish_rows].set(res.tokens[n:], mode="drop"),
         new_steps.at[finish_rows].set(chunk.finish_steps + 1, mode="drop"),
-        state.sampling.set_rows(finish_rows, chunk.sampling), history, state.cross)
+        state.sampling.set_rows(finish_rows, chunk.sampling), history, state.cross,
+        state.images)
     out = _as_output(res)  # [1, n + R]: decode rows, then the finished prompts
     dec = jax.tree.map(lambda a: a[:, :n], out)
     fin = jax.tree.map(lambda a: a[:, n:], out)
@@ -322,3 +336,16 @@ def copy_sources(state: DecodeState, dst: jax.Array, src: jax.Array) -> DecodeSt
     """Rows `dst[i]` take rows `src[i]`'s sources ([B] int32 each; dst B = unused): forked
     beams of a request whose rows did not hold its source yet (state donated)."""
     return dataclasses.replace(state, cross=seq2seq_ragged.copy_rows(state.cross, dst, src))
+
+
+def encode_images(vision_def: nnx.GraphDef, vision_params: nnx.State, state: DecodeState,
+                  pixels: jax.Array, dst: jax.Array) -> DecodeState:
+    """A vision-language model's vision encoder over images being admitted (state donated):
+    pixels [N, C, H, W] float32 (the image processor's output), dst [N] int32, each image's
+    slot of the feature pool (>= the pool's slots: unused); image i's `[T_img, E]` features
+    are written to pool rows `dst[i] * T_img ..`."""
+    feats = encode_vision(vision_def, vision_params, pixels)
+    _, T, E = feats.shape
+    pool = state.images.reshape(-1, T, E)
+    pool = pool.at[dst].set(feats.astype(pool.dtype), mode="drop")
+    return dataclasses.replace(state, images=pool.reshape(-1, E))

@@ -70,10 +70,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool) -> jax.A
     return weight.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def embed_tokens(cfg: ModelConfig, embed: jax.Array, tokens: jax.Array) -> jax.Array:
+def embed_tokens(cfg: ModelConfig, embed: jax.Array, tokens: jax.Array,
+                 images: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Token embeddings `[..., E]` of `tokens` from `embed: [V, E]` (scaled by sqrt(E) for
-    Gemma)."""
+    Gemma). images: `(rows [...] int32, pool [P, E])`: a token whose row is >= 0 takes that
+    row of the image feature pool instead (before Gemma's scaling, as transformers' LLaVA
+    splices image features into the inputs embeddings)."""
     x = embed[tokens]
+    if images is not None:
+        rows, pool = images
+        picked = pool[jnp.clip(rows, 0, pool.shape[0] - 1)].astype(x.dtype)
+        x = jnp.where((rows >= 0)[..., None], picked, x)
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     return x

@@ -117,6 +117,8 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     """transformers' `ACT2FN[name]` for the supported names (see `ACTIVATIONS`)."""
     if name == "relu":
         return jax.nn.relu(x)
+    if name == "quick_gelu":  # CLIP's
+        return x * jax.nn.sigmoid(1.702 * x)
     if name == "gelu":
         return jax.nn.gelu(x, approximate=False)
     if name in ("gelu_new", "gelu_pytorch_tanh"):

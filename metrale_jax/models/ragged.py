@@ -113,18 +113,20 @@ def kernel_layout(page_table: jax.Array, dec_lens: jax.Array, chunk_rows: jax.Ar
 
 def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
                   tokens: jax.Array, positions: jax.Array, layout: StepLayout, *,
-                  n: int, lora: tuple | None = None,
-                  lora_mix: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+                  n: int, lora: tuple | None = None, lora_mix: jax.Array | None = None,
+                  images: tuple[jax.Array, jax.Array] | None = None
+                  ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """The model over one ragged step's tokens, up to the final hidden states.
 
     tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
     docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows; lora: per layer the
     adapter slots' weights (`models/lora.py`; None: no adapters), lora_mix: [T, N] float32,
-    each token's weight per adapter slot (zeros: none). Returns the
-    hidden states `[T, E]` (before the final norm: `head` turns chosen rows into logits) and
+    each token's weight per adapter slot (zeros: none); images: `(rows [T] int32, pool
+    [P, E])`, each token's row of the image feature pool (-1: its token embedding). Returns
+    the hidden states `[T, E]` (before the final norm: `head` turns chosen rows into logits) and
     the pools with this step's keys and values written.
     """
-    x = _embed(graph, params, tokens)
+    x = _embed(graph, params, tokens, images)
     new_pages = []
     layer_lora = lora if lora is not None else (None,) * len(pages)
     for state, sliding, pool, lw in zip(params.layers, graph.cfg.layer_is_sliding, pages,

@@ -89,8 +89,9 @@ def split_layers(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[LayerGraph,
     return LayerGraph(cfg, graphdef, block_def), LayerParams(outer, layers)
 
 
-def _embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array) -> jax.Array:
-    return embed_tokens(graph.cfg, params.outer["embed"][...], tokens)
+def _embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
+           images: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    return embed_tokens(graph.cfg, params.outer["embed"][...], tokens, images)
 
 
 def _head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 from metrale_jax.scheduler.events import TERMINAL, Event
 from metrale_jax.scheduler.sampling_params import SamplingParams
@@ -33,6 +34,9 @@ class GenerationRequest:
     source: for an encoder-decoder (translation) model, the encoder's input ids (the text to
     translate); `prompt_ids` are then the decoder's prompt (`[</s>, target language]` for
     NLLB). Empty for a decoder-only model.
+    images: for a vision-language model, the prompt's images (`engine.images.PromptImage`:
+    each one's placeholder run offset, pixels and content digest), in prompt order; the
+    prompt holds `tokens_per_image` placeholder tokens for each. Empty otherwise.
     """
 
     prompt_ids: tuple[int, ...]
@@ -42,18 +46,19 @@ class GenerationRequest:
     tenant: str | None = None
     cache_salt: str | None = None
     source: tuple[int, ...] = ()
+    images: tuple[Any, ...] = ()
 
     @classmethod
     def make(cls, prompt_ids: Sequence[int], params: SamplingParams,
              timeout: float | None = None, request_id: str | None = None,
              tenant: str | None = None, cache_salt: str | None = None,
-             source: Sequence[int] = ()) -> GenerationRequest:
+             source: Sequence[int] = (), images: Sequence[Any] = ()) -> GenerationRequest:
         """Builds a request; `timeout` seconds from now becomes the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         kw = {"request_id": request_id} if request_id else {}
         return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline,
                    tenant=tenant, cache_salt=cache_salt,
-                   source=tuple(int(t) for t in source), **kw)
+                   source=tuple(int(t) for t in source), images=tuple(images), **kw)
 
 
 class RequestHandle:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from metrale_jax.engine.engine import Piece
+from metrale_jax.engine.images import find_image_offsets, overlapping
 from metrale_jax.engine.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from metrale_jax.errors import BusyError, ContextLengthError, InvalidParameterError
 from metrale_jax.scheduler.beam import BeamSearch
@@ -144,6 +145,26 @@ class Scheduler:
         """True once the engine is warmed up and the loop is serving."""
         return self._ready.is_set() and self.startup_error is None
 
+    def _check_images(self, request: GenerationRequest) -> None:
+        """A request's images match its prompt's placeholder runs (raises otherwise)."""
+        engine = self.engine
+        engine.check_images(len(request.images))
+        vision = engine.model_config.vision
+        if vision is None:
+            return
+        T = vision.tokens_per_image
+        offsets = find_image_offsets(request.prompt_ids, vision.image_token_id, T)
+        if len(offsets) != len(request.images):
+            raise InvalidParameterError(
+                f"the prompt has {len(offsets)} image placeholders for {len(request.images)} "
+                "images", param="messages")
+        shape = (vision.num_channels, vision.image_size, vision.image_size)
+        for at, im in zip(offsets, request.images, strict=True):
+            if im.offset != at or im.length != T or tuple(im.pixels.shape) != shape:
+                raise InvalidParameterError(
+                    f"an image at prompt position {im.offset} does not fit this model "
+                    f"({T} placeholders at {at}, pixels {shape})", param="messages")
+
     def check(self, request: GenerationRequest) -> None:
         """Validates a request against the engine's shapes; raises a `MetraleError`."""
         n = len(request.prompt_ids)
@@ -161,6 +182,7 @@ class Scheduler:
         elif request.source:
             raise InvalidParameterError("a source (text to translate) is for translation "
                                         "models; this model is decoder-only", param="source")
+        self._check_images(request)
         vocab = self.engine.model_config.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})",
@@ -565,6 +587,7 @@ class Scheduler:
         out: list[tuple[Piece, Sequence]] = []
         used = finishing = 0
         flops_left = cost.budget
+        image_slots = self.engine.images.free_slots if self.engine.images is not None else 0
         for slot in self._prefilling:
             seq = self._slots[slot]
             self._share_prefix(slot, seq, decode_need)  # what earlier pieces just offered
@@ -577,10 +600,18 @@ class Scheduler:
                 size = max(size, min(rest, cfg.chunk_buckets[0]))
             end = start + size
             last = end == len(seq.feed)
+            images = ()
+            new_images = 0
+            if seq.request.images:  # its images overlapping the piece, encoded if need be
+                T = self.engine.model_config.vision.tokens_per_image
+                images = overlapping(seq.request.images, start, end, T)
+                new_images = len(self.engine.images.missing(slot, images))
             if (size <= 0 or used + size > cfg.max_prefill_len
                     or (last and finishing >= cfg.max_prefill_batch)
-                    or pages.shortfall(slot, end) > pages.free_pages - decode_need):
+                    or pages.shortfall(slot, end) > pages.free_pages - decode_need
+                    or new_images > image_slots):
                 break
+            image_slots -= new_images
             settings = None
             if last:
                 settings = seq.settings
@@ -599,7 +630,7 @@ class Scheduler:
             self.engine.reserve(slot, end)
             source = seq.request.source if start == 0 else ()
             out.append((Piece(slot, tuple(seq.feed[start:end]), start, settings,
-                              first_generated, prefix, seq.lora, source), seq))
+                              first_generated, prefix, seq.lora, source, images), seq))
             used += size
             if start:
                 flops_left -= cost.piece_flops(size, start)

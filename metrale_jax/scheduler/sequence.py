@@ -81,13 +81,24 @@ class Sequence:
         """The sequence so far: prompt ids, then the generated ids."""
         return list(self.request.prompt_ids) + self.token_ids
 
+    def key_ids(self) -> list[int]:
+        """`all_ids` as the prefix cache keys them: each image's placeholder tokens replaced
+        by negative ids drawn from the image's content digest and the token's index in it,
+        so a page holding an image matches only a page holding the same image there."""
+        ids = self.all_ids()
+        for im in self.request.images:
+            base = int(im.digest[:15], 16)
+            for i in range(im.length):
+                ids[im.offset + i] = -1 - ((base + i) % (1 << 60))
+        return ids
+
     def keys_for(self, count: int, page_size: int) -> list[str]:
         """The content keys of the sequence's first `count` full pages (fewer when it has
         fewer full pages), computed once each."""
         from metrale_jax.engine.prefix_cache import page_keys
         if count > len(self.page_keys):
             parent = self.page_keys[-1] if self.page_keys else self.cache_root
-            self.page_keys += page_keys(self.all_ids(), page_size, parent,
+            self.page_keys += page_keys(self.key_ids(), page_size, parent,
                                         first=len(self.page_keys),
                                         count=count - len(self.page_keys))
         return self.page_keys[:count]

@@ -95,6 +95,7 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
     from metrale_jax.weights.assemble import assemble_params
     dtype = dtype or "float32"
     jdtype = jnp.dtype(dtype)
+    vision, image_processor = None, None
     if fmt == "gguf":
         from metrale_jax.text import tokenizer_from_gguf_metadata
         from metrale_jax.weights.gguf_reader import read_gguf
@@ -113,6 +114,16 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         if shardings is not None:
             shardings(config, dtype)
         tensors = read_safetensors(path)
+        if config.vision is not None:  # LLaVA: the text model's tensors, and the vision half
+            from metrale_jax.weights.llava_reader import (
+                assemble_vision,
+                read_processor_config,
+                split_tensors,
+            )
+            tensors, vision_tensors = split_tensors(tensors)
+            vision = assemble_vision(config.vision, vision_tensors, path, jdtype)
+            image_processor = read_processor_config(path)
+            del vision_tensors
         tokenizer = load_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)
         generation = read_generation_config(path)
@@ -122,4 +133,4 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
     log.info("loaded %s (%s) in %.1fs", path, fmt, time.perf_counter() - start)
     name = DEFAULT_MODEL_NAME if str(model) == DEFAULT_MODEL_NAME else str(model)
     return Checkpoint(name, path, fmt, config, graphdef, params, tokenizer, template,
-                      generation, dtype, gguf_meta)
+                      generation, dtype, gguf_meta, vision, image_processor)

@@ -6,13 +6,16 @@ Covers transformers 4.x field names (`rope_theta`, `rope_scaling`) and 5.x ones
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from metrale_jax.config import ModelConfig, RopeScaling
 from metrale_jax.errors import CheckpointError, UnsupportedModelError
+from metrale_jax.vision_config import VisionConfig
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,32 @@ def model_config_from_hf(cfg: dict[str, Any], path: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: config has a bad value: {e}") from None
 
 
+LLAVA_MODEL_TYPES: tuple[str, ...] = ("llava",)
+"""transformers' `model_type`s of the vision-language models we load (`llava_reader`)."""
+
+
+def is_llava_config(config: Mapping[str, Any]) -> bool:
+    """True when a parsed `config.json` is a LLaVA model's."""
+    return config.get("model_type") in LLAVA_MODEL_TYPES
+
+
+def llava_model_config(config: dict[str, Any], path: Path) -> ModelConfig:
+    """The `ModelConfig` of a LLaVA `config.json`: its text model's, with `vision` set."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path}: a LLaVA config needs a text_config")
+    text = dict(text)
+    text.setdefault("model_type", "llama")
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    base = model_config_from_hf(text, path)
+    vision = VisionConfig.from_hf_llava(config, base.hidden_size)
+    if not 0 <= vision.image_token_id < base.vocab_size:
+        raise CheckpointError(f"{path}: image_token_index {vision.image_token_id} is outside "
+                              f"the vocabulary ({base.vocab_size})")
+    return dataclasses.replace(base, vision=vision)
+
+
 def read_hf_config(folder: Path) -> ModelConfig:
     """Reads `folder/config.json` (and eos ids from `generation_config.json` when present)."""
     path = folder / "config.json"
@@ -133,7 +162,10 @@ def read_hf_config(folder: Path) -> ModelConfig:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    config = model_config_from_hf(cfg, path)
+    if is_llava_config(cfg):  # a vision-language model: its text model, with `vision`
+        config = llava_model_config(cfg, path)
+    else:
+        config = model_config_from_hf(cfg, path)
     gen = read_generation_config(folder)
     if gen.get("eos_token_id") is not None:
         import dataclasses

@@ -23,6 +23,8 @@ class Checkpoint:
 
     gguf_metadata: for a GGUF source, its key-value metadata (kept so `convert` can store the
     tokenizer); None otherwise.
+    vision: a vision-language model's `models.vision.VisionEncoder`, split (graphdef,
+    params); image_processor: its `preprocessor_config.json`. None for text-only models.
 
     graphdef/params: the split NNX `Transformer` (params on the default device, in `dtype`).
     tokenizer: a `metrale_jax.text.Tokenizer`; chat_template: its source or None.
@@ -40,6 +42,8 @@ class Checkpoint:
     generation_config: dict[str, Any]
     dtype: str
     gguf_metadata: dict[str, Any] | None = None
+    vision: tuple[nnx.GraphDef, nnx.State] | None = None
+    image_processor: dict[str, Any] | None = None
 
     @property
     def num_params(self) -> int:

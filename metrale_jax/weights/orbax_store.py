@@ -4,6 +4,7 @@ Layout of a checkpoint folder:
     metrale.json      format version, ModelConfig, dtype, source, chat template, generation
                       config, and which tokenizer backend the assets are for
     params/           the params pytree (nested dict of arrays) written by orbax
+    vision/           a vision-language model's vision encoder params (orbax), if any
     tokenizer/        the tokenizer: HF files (tokenizer.json, tokenizer.model, ...), or
                       `gguf_tokenizer.json` with the GGUF tokenizer metadata
 
@@ -83,6 +84,8 @@ def save_orbax(ckpt, dst: Path) -> Path:
     pure = nnx.to_pure_dict(ckpt.params)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(dst / "params", pure)
+        if ckpt.vision is not None:  # a vision-language model's vision encoder, beside
+            checkpointer.save(dst / "vision", nnx.to_pure_dict(ckpt.vision[1]))
         checkpointer.wait_until_finished()
     meta = {
         "format_version": FORMAT_VERSION,
@@ -92,6 +95,7 @@ def save_orbax(ckpt, dst: Path) -> Path:
         "tokenizer": tokenizer_kind,
         "chat_template": ckpt.chat_template,
         "generation_config": _json_safe(ckpt.generation_config),
+        "image_processor": _json_safe(ckpt.image_processor),
     }
     (dst / "metrale.json").write_text(json.dumps(meta, indent=2))
     log.info("wrote %s", dst)
@@ -155,10 +159,31 @@ def load_orbax(path: Path, dtype: str | None = None, shardings: Shardings | None
     state = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(state, restored)
     tokenizer = _load_tokenizer(path / "tokenizer", meta["tokenizer"])
+    vision = _load_vision(path, config, stored, dtype) if config.vision is not None else None
     return Checkpoint(
         name=str(path), path=path, format="orbax", config=config, graphdef=graphdef,
         params=state, tokenizer=tokenizer, chat_template=meta.get("chat_template"),
-        generation_config=meta.get("generation_config") or {}, dtype=dtype or stored)
+        generation_config=meta.get("generation_config") or {}, dtype=dtype or stored,
+        vision=vision, image_processor=meta.get("image_processor"))
+
+
+def _load_vision(path: Path, config: ModelConfig, stored: str,
+                 dtype: str | None) -> tuple[nnx.GraphDef, nnx.State]:
+    """A vision-language model's vision encoder from `path/vision` (restored whole: the
+    engine replicates it)."""
+    from metrale_jax.models.vision import abstract_vision
+    graphdef, abstract = abstract_vision(config.vision, _jnp_dtype(stored))
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path / "vision", nnx.to_pure_dict(abstract))
+    except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+        raise CheckpointError(f"{path / 'vision'}: cannot restore the vision encoder "
+                              f"({e})") from None
+    if dtype is not None and dtype != stored:
+        restored = jax.tree.map(lambda x: x.astype(dtype), restored)
+    state = jax.tree.map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, restored)
+    return graphdef, state
 
 
 def _sharded_target(target: dict[str, Any], shardings: Shardings, dtype: Any) -> dict[str, Any]:

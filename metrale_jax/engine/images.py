@@ -1,0 +1,119 @@
+"""The host side of a vision-language model's image feature pool.
+
+A request's images are encoded once, when the first prompt piece that holds one of their
+placeholder tokens is scheduled: the vision program writes each image's `[T_img, E]`
+features into a slot of the pool (`DecodeState.images`, `[slots * T_img, E]`), and every
+piece of the prompt reads them at its placeholder positions (`ChunkInputs.image_rows`). A
+row's slots are free again once its prompt is prefilled (the pages hold what the features
+gave) or the row is released; a preempted request is encoded again when it is fed again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from metrale_jax.errors import InvalidParameterError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptImage:
+    """One image of a prompt: `offset`, the prompt position of its first placeholder token,
+    and `length`, how many there are (the model's `T_img`); `pixels [C, H, W] float32`, the
+    image processor's output; `digest`, a hex hash of the image's content (it keys the
+    prefix cache's pages)."""
+
+    offset: int
+    length: int
+    pixels: np.ndarray
+    digest: str
+
+
+class ImagePool:
+    """Which pool slot holds which row's images, and the free ones.
+
+    slots: I, images held at once; tokens_per_image: T_img (features per image).
+    """
+
+    def __init__(self, slots: int, tokens_per_image: int):
+        self.slots = slots
+        self.tokens_per_image = tokens_per_image
+        self._free = list(range(slots - 1, -1, -1))
+        self._held: dict[int, dict[int, int]] = {}  # row -> {image offset: slot}
+
+    @property
+    def free_slots(self) -> int:
+        """Slots no row holds."""
+        return len(self._free)
+
+    def missing(self, row: int, images: tuple[PromptImage, ...]) -> list[PromptImage]:
+        """The images of `images` whose features row `row` does not hold yet."""
+        held = self._held.get(row, {})
+        return [im for im in images if im.offset not in held]
+
+    def assign(self, row: int, image: PromptImage) -> int:
+        """A free slot for row `row`'s `image`; `InvalidParameterError` when none is free
+        (the batching loop checks `free_slots` first)."""
+        if not self._free:
+            raise InvalidParameterError(f"no free image slot ({self.slots} in all)",
+                                        param="images")
+        slot = self._free.pop()
+        self._held.setdefault(row, {})[image.offset] = slot
+        return slot
+
+    def release(self, row: int) -> None:
+        """Row `row`'s slots are free again."""
+        for slot in self._held.pop(row, {}).values():
+            self._free.append(slot)
+
+    def release_all(self) -> None:
+        """Every slot is free."""
+        for row in list(self._held):
+            self.release(row)
+
+    def rows_for(self, row: int, start: int, length: int,
+                 images: tuple[PromptImage, ...]) -> np.ndarray:
+        """`[length] int32`: for the row's prompt positions `start ..`, the pool row of each
+        placeholder token's feature (slot * T_img + its index in its image), else -1."""
+        T = self.tokens_per_image
+        out = np.full(length, -1, np.int32)
+        held = self._held.get(row, {})
+        positions = np.arange(start, start + length)
+        for im in images:
+            inside = (positions >= im.offset) & (positions < im.offset + T)
+            if inside.any():
+                out[inside] = held[im.offset] * T + positions[inside] - im.offset
+        return out
+
+
+def overlapping(images: tuple[PromptImage, ...], start: int, end: int,
+                tokens_per_image: int) -> tuple[PromptImage, ...]:
+    """The images whose placeholder runs overlap prompt positions `start .. end - 1`."""
+    return tuple(im for im in images
+                 if im.offset < end and im.offset + tokens_per_image > start)
+
+
+def find_image_offsets(ids: list[int] | tuple[int, ...], image_token_id: int,
+                       tokens_per_image: int) -> list[int]:
+    """The start of each run of `tokens_per_image` placeholder tokens in `ids`;
+    `InvalidParameterError` when a run has another length."""
+    offsets, i, n = [], 0, len(ids)
+    while i < n:
+        if ids[i] != image_token_id:
+            i += 1
+            continue
+        j = i
+        while j < n and ids[j] == image_token_id:
+            j += 1
+        run = j - i
+        if run % tokens_per_image:
+            raise InvalidParameterError(
+                f"the prompt has a run of {run} image placeholder tokens at position {i}; "
+                f"each image takes {tokens_per_image}", param="images")
+        offsets += range(i, j, tokens_per_image)
+        i = j
+    return offsets
+
+
+__all__ = ["ImagePool", "PromptImage", "find_image_offsets", "overlapping"]

@@ -1,0 +1,160 @@
+"""Reads a LLaVA vision-language model from a Hugging Face folder.
+
+transformers' `LlavaForConditionalGeneration`: `config.json` with `model_type` "llava", a
+`text_config` (any decoder-only family `hf_config` reads) and a `vision_config` (CLIP or
+SigLIP vision model); `preprocessor_config.json` for the image processor. Tensor names come
+in several spellings: with or without a leading `model.`, the text model as
+`language_model.model.*` / `language_model.lm_head.weight` (the hub's) or
+`model.language_model.*` / `lm_head.weight`, the tower with or without `vision_model.`.
+The text model's tensors are renamed to the decoder-only names and assembled as any
+decoder-only model; the vision tower's and projector's into a `models.vision.VisionEncoder`.
+The config side (`llava_model_config`) lives in `hf_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from metrale_jax.errors import CheckpointError
+from metrale_jax.models.vision import abstract_vision
+from metrale_jax.vision_config import VisionConfig
+from metrale_jax.weights.hf_config import is_llava_config, llava_model_config
+
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.",
+                    "model.vision_tower.", "vision_tower.")  # the longest first
+_PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def split_tensors(tensors: Mapping[str, np.ndarray]
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(the text model's tensors under decoder-only names, the vision tower's and projector's
+    under `vision.*` / `projector.*`); anything else (SigLIP's pooling head, CLIP's
+    post-LayerNorm) is dropped."""
+    text: dict[str, np.ndarray] = {}
+    vision: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                text[new + name[len(old):]] = value
+                break
+        else:
+            if name == "lm_head.weight":
+                text[name] = value
+            for prefix in _VISION_PREFIXES:
+                if name.startswith(prefix):
+                    vision["vision." + name[len(prefix):]] = value
+                    break
+            for prefix in _PROJECTOR_PREFIXES:
+                if name.startswith(prefix):
+                    vision["projector." + name[len(prefix):]] = value
+    return text, vision
+
+
+def _vision_specs(cfg: VisionConfig) -> dict[tuple[str, ...], tuple[str, Callable]]:
+    """Our vision param path -> (HF tensor name, function from the HF tensor to ours);
+    per-layer entries hold `{i}`."""
+    E, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    e, lay = "vision.embeddings.", "vision.encoder.layers.{i}."
+    ident = lambda w: w  # noqa: E731
+    specs: dict[tuple[str, ...], tuple[str, Callable]] = {
+        ("patch_embed",): (e + "patch_embedding.weight", lambda w: w.transpose(2, 3, 1, 0)),
+        ("position_embed",): (e + "position_embedding.weight", ident),
+        ("proj_1",): ("projector.linear_1.weight", lambda w: w.T),
+        ("proj_2",): ("projector.linear_2.weight", lambda w: w.T),
+    }
+    if cfg.tower == "siglip":
+        specs[("patch_bias",)] = (e + "patch_embedding.bias", ident)
+    else:
+        specs[("class_embed",)] = (e + "class_embedding", ident)
+        specs[("pre_norm", "weight")] = ("vision.pre_layrnorm.weight", ident)
+        specs[("pre_norm", "bias")] = ("vision.pre_layrnorm.bias", ident)
+    if cfg.projector_bias:
+        specs[("proj_1_bias",)] = ("projector.linear_1.bias", ident)
+        specs[("proj_2_bias",)] = ("projector.linear_2.bias", ident)
+    layer = {
+        ("attn", "q_proj"): ("self_attn.q_proj.weight", lambda w: w.T.reshape(E, H, D)),
+        ("attn", "k_proj"): ("self_attn.k_proj.weight", lambda w: w.T.reshape(E, H, D)),
+        ("attn", "v_proj"): ("self_attn.v_proj.weight", lambda w: w.T.reshape(E, H, D)),
+        ("attn", "o_proj"): ("self_attn.out_proj.weight", lambda w: w.T.reshape(H, D, E)),
+        ("attn", "q_bias"): ("self_attn.q_proj.bias", lambda b: b.reshape(H, D)),
+        ("attn", "k_bias"): ("self_attn.k_proj.bias", lambda b: b.reshape(H, D)),
+        ("attn", "v_bias"): ("self_attn.v_proj.bias", lambda b: b.reshape(H, D)),
+        ("attn", "o_bias"): ("self_attn.out_proj.bias", ident),
+        ("attn_norm", "weight"): ("layer_norm1.weight", ident),
+        ("attn_norm", "bias"): ("layer_norm1.bias", ident),
+        ("mlp_norm", "weight"): ("layer_norm2.weight", ident),
+        ("mlp_norm", "bias"): ("layer_norm2.bias", ident),
+        ("mlp", "fc1"): ("mlp.fc1.weight", lambda w: w.T),
+        ("mlp", "fc1_bias"): ("mlp.fc1.bias", ident),
+        ("mlp", "fc2"): ("mlp.fc2.weight", lambda w: w.T),
+        ("mlp", "fc2_bias"): ("mlp.fc2.bias", ident),
+    }
+    specs.update({("layers", *path): (lay + name, fn) for path, (name, fn) in layer.items()})
+    return specs
+
+
+def assemble_vision(cfg: VisionConfig, tensors: Mapping[str, np.ndarray], source: Path | str,
+                    dtype: Any = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
+    """Builds the `VisionEncoder`'s `(graphdef, params)` from `split_tensors`' vision half;
+    `CheckpointError` naming `source` and the tensor when one is missing or misshapen."""
+    graphdef, abstract = abstract_vision(cfg, dtype)
+    want = nnx.to_pure_dict(abstract)
+    out: dict = {}
+
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise CheckpointError(f"{source}: tensor {name!r} is missing")
+        return np.asarray(tensors[name], np.float32)
+
+    for path, (pattern, fn) in _vision_specs(cfg).items():
+        expected = want
+        for key in path:
+            expected = expected[key]
+        if "{i}" in pattern:
+            names = [pattern.format(i=i) for i in range(cfg.num_layers)]
+            try:
+                value = np.stack([fn(take(n)) for n in names])
+            except ValueError:
+                value = None
+        else:
+            names = [pattern]
+            try:
+                value = fn(take(pattern))
+            except ValueError:
+                value = None
+        if value is None or tuple(value.shape) != tuple(expected.shape):
+            raise CheckpointError(f"{source}: tensor {names[0]!r} does not fit the vision "
+                                  f"config (expected {tuple(expected.shape)})")
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jnp.asarray(value, dtype)
+    state = jax.tree.map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, out)
+    return graphdef, state
+
+
+def read_processor_config(folder: Path) -> dict[str, Any]:
+    """The folder's `preprocessor_config.json`; `CheckpointError` when it is missing."""
+    path = folder / "preprocessor_config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: a vision-language model needs its "
+                              "preprocessor_config.json (the image processor)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+__all__ = ["assemble_vision", "is_llava_config", "llava_model_config", "read_processor_config",
+           "split_tensors"]
