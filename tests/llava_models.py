@@ -3,7 +3,8 @@
 `build_llava_folder(folder, tower=...)` saves a complete Hugging Face folder: the model (a
 CLIP or SigLIP vision tower, the projector, a tiny decoder-only text model), the tiny BPE
 tokenizer with `<image>` as an added token, `preprocessor_config.json` and a chat template
-that puts `<image>` where a message has an image part.
+that puts `<image>` where a message has an image part (the SigLIP model keeps it in
+`chat_template.json`, the processor's file, as llava-hf's hub folders do).
 """
 
 from __future__ import annotations
@@ -76,4 +77,7 @@ def build_llava_folder(folder: Path, tower: str = "clip", text: str = "llama", s
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(spec["processor"]))
+    if tower == "siglip":  # the template where llava-hf's hub folders keep it: the processor's
+        (folder / "chat_template.jinja").unlink()
+        (folder / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return model

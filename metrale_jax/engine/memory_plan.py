@@ -148,10 +148,32 @@ def _param_elements_per_device(cfg: ModelConfig, mesh_shape: tuple[int, int]) ->
                for shape, spec in zip(shapes, specs, strict=True))
 
 
+@functools.lru_cache(maxsize=8)
+def _vision_elements(cfg: ModelConfig) -> int:
+    from metrale_jax.models.vision import abstract_vision
+    _, abstract = abstract_vision(cfg.vision)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+
+
 def param_bytes_per_device(cfg: ModelConfig, itemsize: int, mesh_shape: tuple[int, int]) -> int:
     """Bytes of one device's share of the params (`itemsize` bytes per element), replicated
-    tensors counted whole."""
-    return _param_elements_per_device(cfg, tuple(mesh_shape)) * itemsize
+    tensors counted whole (a vision-language model's vision encoder is replicated)."""
+    vision = _vision_elements(cfg) if cfg.vision is not None else 0
+    return (_param_elements_per_device(cfg, tuple(mesh_shape)) + vision) * itemsize
+
+
+def image_bytes_per_device(cfg: ModelConfig, itemsize: int, images: int) -> int:
+    """A vision-language model's image feature pool (`images` x T_img x E, replicated) and
+    one vision program's temporaries over them (float32 activations and one layer's
+    attention scores); 0 for a text-only model."""
+    v = cfg.vision
+    if v is None:
+        return 0
+    P = v.num_positions
+    pool = images * v.tokens_per_image * cfg.hidden_size * itemsize
+    activations = images * P * (4 * v.hidden_size + 2 * v.intermediate_size) * 4
+    scores = images * v.num_heads * P * P * 4
+    return pool + activations + scores
 
 
 def kv_heads_per_device(cfg: ModelConfig, mesh_shape: tuple[int, int]) -> int:
@@ -171,12 +193,14 @@ def token_bytes_per_device(cfg: ModelConfig, cache_itemsize: int,
 def scratch_bytes_per_device(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
                              mesh_shape: tuple[int, int], slots: int, max_len: int,
                              prefill_len: int, prefill_batch: int,
-                             source_len: int = 0) -> int:
+                             source_len: int = 0, images: int = 0) -> int:
     """An estimate of the temporaries of the largest step: a prefill of `prefill_batch` x
     `prefill_len` tokens (its keys and values for every layer, the attention scores of one
     layer over the cache plus the chunk in float32, hidden activations) or a decode step's
     logits and sampling copies `[B / data, V] float32`, whichever is larger; plus, for an
-    encoder-decoder, every slot's cross-attention cache of `source_len` positions."""
+    encoder-decoder, every slot's cross-attention cache of `source_len` positions; for a
+    vision-language model, its pool of `images` images' features and the vision program's
+    temporaries (`image_bytes_per_device`)."""
     data, model = mesh_shape
     P, Bp = min(prefill_len, max_len), prefill_batch
     heads = cfg.num_heads // (model if cfg.num_heads % model == 0 else 1)
@@ -186,8 +210,9 @@ def scratch_bytes_per_device(cfg: ModelConfig, *, itemsize: int, cache_itemsize:
     hidden = Bp * P * (4 * cfg.hidden_size + 3 * mlp) * itemsize
     prefill = prefix + scores + hidden + Bp * cfg.vocab_size * 4
     decode = -(-slots // data) * cfg.vocab_size * 4 * SAMPLING_COPIES
-    return max(prefill, decode) + cross_bytes_per_device(cfg, cache_itemsize, mesh_shape,
-                                                         slots, source_len)
+    return (max(prefill, decode)
+            + cross_bytes_per_device(cfg, cache_itemsize, mesh_shape, slots, source_len)
+            + image_bytes_per_device(cfg, cache_itemsize, images))
 
 
 def cross_bytes_per_device(cfg: ModelConfig, cache_itemsize: int, mesh_shape: tuple[int, int],
@@ -205,7 +230,8 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
                 mesh_shape: tuple[int, int], memory_bytes: int | None,
                 slots: int | None = None, max_len: int | None = None,
                 prefill_len: int = 512, prefill_batch: int = 1,
-                reserve_fraction: float = 0.1, source_len: int = 0) -> MemoryPlan:
+                reserve_fraction: float = 0.1, source_len: int = 0,
+                images: int = 0) -> MemoryPlan:
     """The largest KV cache that fits in `memory_bytes` per device beside the params.
 
     itemsize / cache_itemsize: bytes per param / cache element (4 float32, 2 bfloat16);
@@ -232,7 +258,7 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
         scratch = scratch_bytes_per_device(
             cfg, itemsize=itemsize, cache_itemsize=cache_itemsize, mesh_shape=mesh_shape,
             slots=b, max_len=s, prefill_len=prefill_len, prefill_batch=prefill_batch,
-            source_len=source_len)
+            source_len=source_len, images=images)
         reserve = int(reserve_fraction * memory_bytes) if memory_bytes is not None else 0
         return MemoryPlan(tuple(mesh_shape), b, s, memory_bytes, params, token, scratch,
                           reserve)

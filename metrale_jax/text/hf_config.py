@@ -22,6 +22,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+PROCESSOR_CHAT_TEMPLATE_FILE = "chat_template.json"
 
 _NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -141,6 +142,16 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         chosen = named.get("default") or next(iter(named.values()), None)
         return chosen if isinstance(chosen, str) else None
+    # A processor's template (vision-language models: `{"chat_template": "..."}`), where
+    # the tokenizer has none.
+    processor_file = folder / PROCESSOR_CHAT_TEMPLATE_FILE
+    if processor_file.is_file():
+        try:
+            template = json.loads(processor_file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return None
+        template = template.get("chat_template") if isinstance(template, dict) else None
+        return template if isinstance(template, str) else None
     return None
 
 

@@ -133,9 +133,10 @@ def _processor(folder, llm):
     cfg = json.loads((folder / "preprocessor_config.json").read_text())
     cls = {"clip": transformers.CLIPImageProcessorPil,
            "siglip": transformers.SiglipImageProcessorPil}[v.tower]
+    from tests.llava_models import CHAT_TEMPLATE
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     return transformers.LlavaProcessor(
-        image_processor=cls(**cfg), tokenizer=tok, chat_template=tok.chat_template,
+        image_processor=cls(**cfg), tokenizer=tok, chat_template=CHAT_TEMPLATE,
         patch_size=v.patch_size, vision_feature_select_strategy=v.select_strategy,
         num_additional_image_tokens=1 if v.tower == "clip" else 0)
 
