@@ -231,7 +231,8 @@ class LLM:
     def _chat_request(self, messages, **template_kwargs) -> tuple[list[int], tuple]:
         """(the prompt ids of a chat, its `PromptImage`s)."""
         from metrale_jax.vision.prompt import split_image_parts
-        messages, refs = split_image_parts(messages)
+        messages, refs = split_image_parts(messages,
+                                           text_parts=self.config.vision is not None)
         if refs and self.config.vision is None:
             raise InvalidParameterError(f"model {self.checkpoint.name!r} takes no images: it "
                                         "is a text-only model", param=refs[0].param)

@@ -57,7 +57,7 @@ class ImagePool:
         (the batching loop checks `free_slots` first)."""
         if not self._free:
             raise InvalidParameterError(f"no free image slot ({self.slots} in all)",
-                                        param="images")
+                                        param="messages")
         slot = self._free.pop()
         self._held.setdefault(row, {})[image.offset] = slot
         return slot
@@ -110,7 +110,7 @@ def find_image_offsets(ids: list[int] | tuple[int, ...], image_token_id: int,
         if run % tokens_per_image:
             raise InvalidParameterError(
                 f"the prompt has a run of {run} image placeholder tokens at position {i}; "
-                f"each image takes {tokens_per_image}", param="images")
+                f"each image takes {tokens_per_image}", param="messages")
         offsets += range(i, j, tokens_per_image)
         i = j
     return offsets

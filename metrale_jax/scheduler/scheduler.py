@@ -788,10 +788,10 @@ class Scheduler:
             seq.handle.post(Token(best.token_ids, best.text))
         stop = best.token_ids[-1] if best.finish_reason == "stop" and \
             best.token_ids[-1] not in self.eos_token_ids else None
+        self.stats["finished"] += 1  # counted before the client can see the end
+        self.stats["tokens"] += len(best.token_ids)
         seq.handle.post(Finished(best.finish_reason, seq.input_tokens, len(best.token_ids),
                                  stop, "", seq.cached_tokens or 0, hyps))
-        self.stats["finished"] += 1
-        self.stats["tokens"] += len(best.token_ids)
 
     def _consume(self, pending: _Pending) -> None:
         out = pending.output
@@ -818,8 +818,8 @@ class Scheduler:
                 self._offer_pages(slot, seq, int(self.engine.lengths[slot]))
             if seq.finished:
                 self._free_slot(slot)
+                self.stats["finished"] += 1  # counted before the client can see the end
                 seq.post_final()
-                self.stats["finished"] += 1
         self._flush_beams()
 
     def _flush_beams(self) -> None:

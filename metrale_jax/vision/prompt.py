@@ -36,13 +36,19 @@ class ImageRef:
     image: Any = None
 
 
-def split_image_parts(messages: Sequence[dict[str, Any]]
+def split_image_parts(messages: Sequence[dict[str, Any]], *, text_parts: bool = False
                       ) -> tuple[list[dict[str, Any]], list[ImageRef]]:
     """(the messages for the chat template, each image part replaced by `{"type": "image"}`;
-    the images in order). Raises `InvalidParameterError` for a malformed image part."""
+    the images in order). Raises `InvalidParameterError` for a malformed image part.
+
+    text_parts: string contents become `[{"type": "text", "text": ...}]` (a vision-language
+    model's template, as llava-hf's, reads only content parts: it would drop a string)."""
     out, refs = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
+        if isinstance(content, str) and text_parts:
+            out.append({**message, "content": [{"type": "text", "text": content}]})
+            continue
         if not isinstance(content, list):
             out.append(message)
             continue

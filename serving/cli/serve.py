@@ -8,6 +8,7 @@ import argparse
 import logging
 import math
 import sys
+from typing import Any
 
 from metrale_jax.errors import MetraleError
 from serving.cli.languages import add_language_flags, source_len_option, translation_model
@@ -17,19 +18,7 @@ from serving.cli.scale import add_scale_flags, engine_options, init_distributed,
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Runs the OpenAI-compatible HTTP server until SIGTERM/SIGINT; prints its URL when ready."""
-    if args.max_slots < 0 or args.max_len < 0 or args.max_len == 1:
-        raise MetraleError("--max-slots must be ≥ 1 and --max-len ≥ 2 (0: chosen by the "
-                           "memory plan)")
-    if not 0.0 <= args.prefix_cache_share <= 1.0:
-        raise MetraleError("--prefix-cache-share must be from 0 to 1")
-    if args.prefix_cache_min_tokens < 0:
-        raise MetraleError("--prefix-cache-min-tokens must be >= 0")
-    args.loras = _lora_flags(args.lora)
-    if args.loras and not 1 <= len(args.loras) <= args.max_loras:
-        raise MetraleError(f"{len(args.loras)} LoRA adapters for --max-loras {args.max_loras}")
-    if args.max_lora_rank < 1:
-        raise MetraleError("--max-lora-rank must be >= 1")
-    args.active_lora = _active_lora_flags(args.active_lora, args.loras)
+    check_flags(args)
     pid, processes = init_distributed(args)
     if processes == 1:
         return _serve(args, 0, 1)
@@ -47,6 +36,72 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         exit_now(code)
     return code
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuses bad flag values (`MetraleError`: exit 2) before anything loads; normalizes
+    --lora, --active-lora and --allowed-media-domains in `args`."""
+    if args.max_slots < 0 or args.max_len < 0 or args.max_len == 1:
+        raise MetraleError("--max-slots must be ≥ 1 and --max-len ≥ 2 (0: chosen by the "
+                           "memory plan)")
+    if not 0.0 <= args.prefix_cache_share <= 1.0:
+        raise MetraleError("--prefix-cache-share must be from 0 to 1")
+    if args.prefix_cache_min_tokens < 0:
+        raise MetraleError("--prefix-cache-min-tokens must be >= 0")
+    _check_media_flags(args)
+    args.loras = _lora_flags(args.lora)
+    if args.loras and not 1 <= len(args.loras) <= args.max_loras:
+        raise MetraleError(f"{len(args.loras)} LoRA adapters for --max-loras {args.max_loras}")
+    if args.max_lora_rank < 1:
+        raise MetraleError("--max-lora-rank must be >= 1")
+    args.active_lora = _active_lora_flags(args.active_lora, args.loras)
+
+
+def _check_media_flags(args: argparse.Namespace) -> None:
+    """The image flags of a vision-language model (refused before anything loads);
+    --allowed-media-domains becomes a tuple of host names."""
+    if args.max_images is not None and args.max_images < 1:
+        raise MetraleError("--max-images must be >= 1")
+    if args.max_image_bytes < 1:
+        raise MetraleError("--max-image-bytes must be >= 1")
+    if args.max_image_pixels < 1:
+        raise MetraleError("--max-image-pixels must be >= 1")
+    if not (math.isfinite(args.media_fetch_timeout) and args.media_fetch_timeout > 0):
+        raise MetraleError("--media-fetch-timeout must be a number of seconds > 0")
+    args.allowed_media_domains = _media_domains(args.allowed_media_domains)
+
+
+def _media_domains(values: list[str]) -> tuple[str, ...]:
+    """--allowed-media-domains values (each may list several, comma separated) as host names;
+    a URL, a port, a path or a wildcard is an error."""
+    import ipaddress
+    import re
+    out: list[str] = []
+    for value in values:
+        hosts = [h.strip() for h in value.split(",")]
+        if not any(hosts):
+            raise MetraleError(f"--allowed-media-domains {value!r}: expected host names")
+        for host in filter(None, hosts):
+            bare = host.strip("[]")
+            if "://" in host or "/" in host:
+                problem = "give a host name (example.com), not a URL"
+            elif "*" in host:
+                problem = "write the domain itself (example.com allows its subdomains too)"
+            elif ":" in bare:
+                try:
+                    ipaddress.IPv6Address(bare)
+                    problem = None
+                except ValueError:
+                    problem = "give the host without a port"
+            elif not re.fullmatch(r"\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?", host):
+                problem = "not a host name"
+            else:
+                problem = None
+            if problem:
+                raise MetraleError(f"--allowed-media-domains {host!r}: {problem}")
+            if host not in out:
+                out.append(host)
+    return tuple(out)
 
 
 def _lora_flags(values: list[str]) -> dict[str, str]:
@@ -81,31 +136,11 @@ def _active_lora_flags(values: list[str], loras: dict[str, str]) -> dict[str, fl
 
 def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
     from serving.http.server import serve
-    from serving.http.settings import ServerSettings
     if args.source_lang is not None or args.target_lang is not None:
         # Checked from the model's files now (before any weight is read), and by the server
         # once loaded.
         translation_model(args.model, args.source_lang, args.target_lang)
-    options = {"logprobs_mode": args.logprobs_mode, "prefix_cache": args.prefix_cache,
-               "prefix_cache_share": args.prefix_cache_share,
-               "prefix_cache_min_tokens": args.prefix_cache_min_tokens, **engine_options(args)}
-    if args.loras or args.enable_lora_runtime_updates:
-        options.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
-    if args.max_prefill_len is not None:
-        options["max_prefill_len"] = args.max_prefill_len
-    options.update(source_len_option(args))
-    settings = ServerSettings(
-        model=args.model, served_model_name=args.served_model_name, host=args.host,
-        port=args.port, max_slots=shape_flag(args.max_slots),
-        max_len=shape_flag(args.max_len), dtype=args.dtype, process_id=pid,
-        num_processes=processes,
-        engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-        request_timeout=args.request_timeout or None, grace_period=args.grace_period,
-        max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, loras=args.loras,
-        active_lora=args.active_lora,
-        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
-        source_lang=args.source_lang, target_lang=args.target_lang)
+    settings = server_settings(args, pid, processes)
     from serving.progress import StageProgress
     for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.scheduler.multihost"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -131,6 +166,37 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
     return 0
 
 
+def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) -> Any:
+    """The `ServerSettings` of `metrale serve`'s flags (after `check_flags`)."""
+    from serving.http.settings import ServerSettings
+    options = {"logprobs_mode": args.logprobs_mode, "prefix_cache": args.prefix_cache,
+               "prefix_cache_share": args.prefix_cache_share,
+               "prefix_cache_min_tokens": args.prefix_cache_min_tokens, **engine_options(args)}
+    if args.loras or args.enable_lora_runtime_updates:
+        options.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    if args.max_prefill_len is not None:
+        options["max_prefill_len"] = args.max_prefill_len
+    options.update(source_len_option(args))
+    if args.max_images is not None:
+        options["max_images"] = args.max_images
+    settings = ServerSettings(
+        model=args.model, served_model_name=args.served_model_name, host=args.host,
+        port=args.port, max_slots=shape_flag(args.max_slots),
+        max_len=shape_flag(args.max_len), dtype=args.dtype, process_id=pid,
+        num_processes=processes,
+        engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout or None, grace_period=args.grace_period,
+        max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser, loras=args.loras,
+        active_lora=args.active_lora,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        source_lang=args.source_lang, target_lang=args.target_lang,
+        allowed_media_domains=args.allowed_media_domains,
+        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+        media_fetch_timeout=args.media_fetch_timeout)
+    return settings
+
+
 def _parser_flags(parser: argparse.ArgumentParser) -> None:
     from serving.http import reasoning
     from serving.http.tools import parsers
@@ -142,6 +208,29 @@ def _parser_flags(parser: argparse.ArgumentParser) -> None:
                         choices=[*reasoning.CHOICES, *reasoning.ALIASES],
                         help="split the model's thinking into reasoning_content (default: "
                              "'think' when the chat template knows <think>)")
+
+
+def _media_flags(parser: argparse.ArgumentParser) -> None:
+    """The image flags of a vision-language model (LLaVA): chat content parts image_url."""
+    parser.add_argument("--max-images", type=int, default=None, metavar="N",
+                        help="vision-language models: the most images one request may send, "
+                             "and the images the device holds at once (default 8)")
+    parser.add_argument("--allowed-media-domains", action="extend", nargs="+", default=[],
+                        metavar="HOST",
+                        help="vision-language models: fetch http(s) image URLs from these "
+                             "hosts and their subdomains (space or comma separated, e.g. "
+                             "example.com,img.example.org 127.0.0.1); default none: images "
+                             "only as data: URLs")
+    parser.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024,
+                        metavar="BYTES",
+                        help="the largest image file a request may send or name (default 20 "
+                             "MiB; a data: URL also counts in --max-body-bytes)")
+    parser.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                        metavar="PIXELS",
+                        help="the largest image, width x height (default 4096 x 4096), "
+                             "checked before its pixels are decoded")
+    parser.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds an image URL's download may take (default 10)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -193,6 +282,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--prefix-cache-min-tokens", type=int, default=64, metavar="N",
                      help="the shortest shared prefix read from the cache (default 64: off "
                           "TPU a shorter one costs more to read than to prefill)")
+    _media_flags(srv)
     add_language_flags(srv)
     add_logprobs_mode_flag(srv)
     _parser_flags(srv)

@@ -72,12 +72,15 @@ class Generation:
         tenant, cache_salt: the prefix cache's isolation key (`GenerationRequest`).
         sources: a translation model's encoder inputs, one per prompt (the prompts are then
             the decoder's); their tokens count as prompt tokens. None: a decoder-only model.
+        images: a vision-language model's `PromptImage`s, one tuple per prompt (their
+            placeholder runs are in the prompt's ids, and counted). None: no images.
     """
 
     def __init__(self, runtime: Any, metrics: Metrics, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, n: int, timeout: float | None, request_id: str,
                  tenant: str | None = None, cache_salt: str | None = None,
-                 sources: Sequence[Sequence[int]] | None = None):
+                 sources: Sequence[Sequence[int]] | None = None,
+                 images: Sequence[Sequence[Any]] | None = None):
         self.runtime = runtime
         self.metrics = metrics
         self.timeout = timeout
@@ -88,6 +91,7 @@ class Generation:
         self.beam_choices: dict[int, list[int]] = {}  # a beam request -> its choices
         for p, ids in enumerate(prompts):
             source = tuple(sources[p]) if sources is not None else ()
+            pictures = tuple(images[p]) if images is not None else ()
             counted = len(ids) + len(source)
             if params.num_beams > 1:
                 sp = dataclasses.replace(params, num_return_sequences=n)
@@ -95,7 +99,8 @@ class Generation:
                                                                    len(self.choices) + n))
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{len(self.requests)}",
-                    tenant=tenant, cache_salt=cache_salt, source=source))
+                    tenant=tenant, cache_salt=cache_salt, source=source,
+                    images=pictures))
                 self.choices += [ChoiceState(len(self.choices) + i, p, counted)
                                  for i in range(n)]
                 continue
@@ -106,7 +111,8 @@ class Generation:
                 index = len(self.requests)
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{index}",
-                    tenant=tenant, cache_salt=cache_salt, source=source))
+                    tenant=tenant, cache_salt=cache_salt, source=source,
+                    images=pictures))
                 self.choices.append(ChoiceState(index, p, counted))
         self.handles: list[Any] = []
         self._tasks: list[asyncio.Task] = []
@@ -144,7 +150,7 @@ class Generation:
             try:
                 self.runtime.scheduler.check(r)
             except MetraleError as e:
-                if e.param in ("messages", "prompt"):
+                if e.param in ("messages", "prompt", "images"):
                     e.param = prompt_param
                 raise
 

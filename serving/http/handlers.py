@@ -17,7 +17,7 @@ from typing import Any
 
 from metrale_jax.errors import MetraleError
 from metrale_jax.scheduler import Finished, Token
-from serving.http import translation
+from serving.http import translation, vision
 from serving.http.chat_output import ChatOutput, ChoiceStream
 from serving.http.errors import InternalError
 from serving.http.generation import ChoiceState, Generation
@@ -56,10 +56,14 @@ def _timeout(state: ServerState, requested: float | None) -> float | None:
     return requested if requested is not None else state.settings.request_timeout
 
 
-def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str) -> Prepared:
-    """Validates a chat request against the model, renders and tokenizes it, submits it."""
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
+                       request_id: str) -> Prepared:
+    """Validates a chat request against the model, renders and tokenizes it (a
+    vision-language model's images are loaded in a worker thread), submits it."""
     rt = state.require_ready()
     lora = state.check_model(req.model, req.lora)
+    if rt.vision is None:
+        vision.refuse_images(req, state.settings.model_name)
     if rt.is_translation:
         translation.check_chat_request(req)
         req.validate_semantics()
@@ -73,9 +77,14 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
                         token_ids=req.return_token_ids)
     translation.refuse_languages(req, state.settings.model_name)
     req.validate_semantics()
-    prompt = rt.encode_chat(req.template_messages(),
-                            add_generation_prompt=req.add_generation_prompt,
-                            tools=req.tools, **req.template_kwargs())
+    render = dict(add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                  **req.template_kwargs())
+    images: tuple[Any, ...] = ()
+    if rt.vision is None:
+        prompt = rt.encode_chat(req.template_messages(), **render)
+    else:
+        prompt, images = await vision.chat_prompt(rt, req, **render)
+        rt = state.require_ready()  # still serving after the images loaded
     params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.num_logprobs),
                                  lora=lora)
     output = ChatOutput.for_request(
@@ -84,7 +93,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         constrained=getattr(params, "constraint", None) is not None)
     params = output.adjust_params(params, rt.tokenizer, req.tools, req.thinking_budget)
     gen = Generation(rt, state.metrics, [prompt], params, req.n,
-                     _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt)
+                     _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
+                     images=[images])
     gen.check()
     gen.submit()
     env = Envelope("chatcmpl", "chat.completion", state.settings.model_name, rt.fingerprint)

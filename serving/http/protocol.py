@@ -278,13 +278,20 @@ class ChatCompletionRequest(_Sampling):
         """The text of message `index` (its content parts joined; "" for none)."""
         return _content_text(self.messages[index].content, index)
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template wants them (content parts joined into text,
-        tool call arguments as dicts)."""
+    def template_messages(self, images: bool = False) -> list[dict[str, Any]]:
+        """The messages as the chat template wants them (tool call arguments as dicts).
+
+        images: False (a text-only model): content parts joined into text, an image part is
+        a 400. True (a vision-language model): a list of content parts stays a list, each
+        text part as `{"type": "text", "text": ...}` and each image part as sent, in place
+        (`metrale_jax.vision.prompt.split_image_parts` takes them from there).
+        """
         out = []
         for i, m in enumerate(self.messages):
+            content = _content_parts(m.content, i) if images and isinstance(m.content, list) \
+                else _content_text(m.content, i)
             msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                   "content": _content_text(m.content, i)}
+                                   "content": content}
             for key in ("name", "tool_calls", "tool_call_id"):
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
@@ -297,6 +304,10 @@ class ChatCompletionRequest(_Sampling):
         return out
 
 
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+"""Content part types that carry an image (as `metrale_jax.vision.prompt` reads them)."""
+
+
 def _content_text(content: str | list[dict[str, Any]] | None, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -306,15 +317,40 @@ def _content_text(content: str | list[dict[str, Any]] | None, index: int) -> str
         param = f"messages[{index}].content[{j}]"
         if kind in ("text", "input_text") and isinstance(part.get("text"), str):
             texts.append(part["text"])
-        elif kind in ("image_url", "input_image", "image"):
-            raise InvalidParameterError("image inputs are not supported yet: this server "
-                                        "serves text-only models", param=param)
-        elif kind in ("input_audio", "audio_url", "file", "video_url"):
-            raise InvalidParameterError(f"{kind} content parts are not supported: only text",
+        elif kind in IMAGE_PART_TYPES:
+            raise InvalidParameterError("this model takes no images: it is a text-only model",
                                         param=param)
         else:
-            raise InvalidParameterError(f"unknown content part type {kind!r}", param=param)
+            _refuse_part(kind, param, "only text")
     return "".join(texts)
+
+
+def _content_parts(content: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """A vision-language model's content parts: text parts normalized, image parts kept."""
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind in IMAGE_PART_TYPES:
+            out.append(part)
+        else:
+            _refuse_part(kind, f"messages[{index}].content[{j}]", "only text and images")
+    return out
+
+
+def _refuse_part(kind: Any, param: str, accepted: str) -> None:
+    if kind in ("input_audio", "audio_url", "file", "video_url"):
+        raise InvalidParameterError(f"{kind} content parts are not supported: {accepted}",
+                                    param=param)
+    raise InvalidParameterError(f"unknown content part type {kind!r}", param=param)
+
+
+def image_parts(messages: list[ChatMessage]) -> list[str]:
+    """Where the image parts of `messages` are (`messages[i].content[j]`), in order."""
+    return [f"messages[{i}].content[{j}]" for i, m in enumerate(messages)
+            if isinstance(m.content, list)
+            for j, part in enumerate(m.content) if part.get("type") in IMAGE_PART_TYPES]
 
 
 class CompletionRequest(_Sampling):

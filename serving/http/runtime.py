@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 LOADING, COMPILING = "loading weights", "compiling"
 PEER_LOST_GRACE_S = 2.0  # seconds the error answers get before a process with a lost peer exits
+MEDIA_THREADS = 16  # images fetched and decoded at once, over every request
 STATES = ("starting", "loading", "warming_up", "ready", "failed", "draining", "stopped")
 
 
@@ -52,6 +53,9 @@ class ModelRuntime:
         self.lora_paths: dict[str, str] = dict(settings.loras)  # those served now
         self.created = int(time.time())
         self._template: Any = None
+        self.image_processor: Any = None  # a vision-language model's: PIL -> [C, H, W]
+        self.image_limits: Any = None  # `vision.media.ImageLimits`, once the model is read
+        self._media_pool: Any = None  # the threads that fetch and decode requests' images
         self._token_strs: dict[int, str] = {}
         self._loaded = threading.Event()
         self._channel: Any = None  # the multi-host side channel, when there is one
@@ -81,8 +85,9 @@ class ModelRuntime:
                     load_checkpoint, step if self.progress else None))
             self.checkpoint = ckpt
             check_languages(ckpt, s.source_lang, s.target_lang)
+            self._vision_setup(ckpt, hook.config.max_images)
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
-                            placement=hook.placement)
+                            placement=hook.placement, vision=ckpt.vision)
             # The engine holds its own (per-layer, placed) params: drop the loaded stacked
             # copy, which would double the params' memory beside the memory plan.
             self.checkpoint = ckpt = dataclasses.replace(ckpt, params=None)
@@ -113,6 +118,39 @@ class ModelRuntime:
             self.state = "failed"
         finally:
             self._loaded.set()
+
+    def _vision_setup(self, ckpt: Any, max_images: int) -> None:
+        """The image limits of the settings and, for a vision-language model, its image
+        processor (from preprocessor_config.json; a missing or unsupported one fails the
+        loading, not the first request)."""
+        from metrale_jax.vision.media import ImageLimits
+        s = self.settings
+        self.image_limits = ImageLimits(
+            max_images=max_images, max_bytes=s.max_image_bytes, max_pixels=s.max_image_pixels,
+            fetch_timeout_s=s.media_fetch_timeout,
+            allowed_domains=s.allowed_media_domains)
+        if ckpt.config.vision is None:
+            return
+        from metrale_jax.errors import CheckpointError
+        from metrale_jax.vision.image_processor import ImageProcessor
+        if ckpt.image_processor is None:
+            raise CheckpointError(f"{s.model}: a vision-language model needs its "
+                                  "preprocessor_config.json (the image preprocessing)")
+        self.image_processor = ImageProcessor.from_hf(ckpt.image_processor)
+
+    def media_pool(self) -> Any:
+        """The worker threads that fetch, decode and preprocess requests' images (their own,
+        so that slow downloads never hold the event loop's default executor, which the
+        shutdown uses). Raises `UnavailableError` once the runtime stopped."""
+        if self.state in ("stopped", "draining"):
+            from serving.http.errors import UnavailableError
+            raise UnavailableError("the server is shutting down", code="draining",
+                                   retry_after=5)
+        if self._media_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._media_pool = ThreadPoolExecutor(MEDIA_THREADS,
+                                                  thread_name_prefix="metrale-media")
+        return self._media_pool
 
     def _read_loras(self, model_config: Any, engine_config: Any) -> dict[str, Any]:
         """The LoRA adapters of the settings, read and checked against the model."""
@@ -186,6 +224,8 @@ class ModelRuntime:
             self.scheduler.stop()
         if self._channel is not None:  # multi-host: the others stop too (or see us go)
             self._channel.close()
+        if self._media_pool is not None:  # downloads under way end at their own timeout
+            self._media_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- model facts -------------------------------------------------------------------
     @property
@@ -214,6 +254,12 @@ class ModelRuntime:
             getattr(self.checkpoint.config, "is_encoder_decoder", False))
 
     @property
+    def vision(self) -> Any:
+        """A vision-language model's `VisionConfig` (image token, tokens per image); None for
+        a text-only model."""
+        return None if self.checkpoint is None else self.checkpoint.config.vision
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """The generation config's eos ids, else the model's, else the tokenizer's."""
         ckpt = self.checkpoint
@@ -233,7 +279,11 @@ class ModelRuntime:
         card: dict[str, Any] = {"id": self.settings.model_name, "object": "model",
                                 "created": self.created, "owned_by": "metrale",
                                 "root": str(self.settings.model), "parent": None,
-                                "max_model_len": self.max_len}
+                                "max_model_len": self.max_len,
+                                "input_modalities": ["text", "image"] if self.vision is not None
+                                else ["text"]}
+        if self.vision is not None and self.image_limits is not None:
+            card["max_images"] = self.image_limits.max_images  # per request
         if self.is_translation:
             from serving.http.translation import model_info
             card["task"] = "translation"

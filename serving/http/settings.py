@@ -41,6 +41,13 @@ class ServerSettings:
         request must name it. Checked against the tokenizer once the model loads; set on a
         decoder-only model, the loading fails. (The longest source a translation model holds
         is the engine's `max_source_len`, in `engine_options`.)
+    allowed_media_domains: a vision-language model's http(s) image URLs are fetched only
+        from these hosts and their subdomains; empty (the default): only data: URLs.
+    max_image_bytes, max_image_pixels: the largest image file (bytes, after base64 decoding
+        or downloaded) and image (width * height) a request may send; larger ones are 400s.
+    media_fetch_timeout: seconds a remote image's download may take (per connect and read,
+        and in all). The images per request: the engine's `max_images` (`engine_options`).
+        See `metrale_jax.vision.media.ImageLimits`.
     """
 
     model: str = "default"
@@ -66,6 +73,10 @@ class ServerSettings:
     enable_lora_runtime_updates: bool = False
     source_lang: str | None = None
     target_lang: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    media_fetch_timeout: float = 10.0
 
     @property
     def model_name(self) -> str:

@@ -43,7 +43,7 @@ def register(app: Quart, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         req = await read_body(ChatCompletionRequest)
-        prep = handlers.prepare_chat(state, req, g.request_id)
+        prep = await handlers.prepare_chat(state, req, g.request_id)
         return await _generate(prep, handlers.chat_body, handlers.chat_stream)
 
     @app.post("/v1/completions")

@@ -1,11 +1,13 @@
-"""vLLM's utility routes: POST /tokenize (a prompt, or messages through the chat template)
-and POST /detokenize."""
+"""vLLM's utility routes: POST /tokenize (a prompt, or messages through the chat template; a
+vision-language model's image parts count as their placeholder runs, unloaded) and
+POST /detokenize."""
 
 from __future__ import annotations
 
 from quart import Quart, Response
 
 from metrale_jax.errors import InvalidParameterError
+from serving.http import vision
 from serving.http.bodies import json_response, read_body
 from serving.http.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from serving.http.state import ServerState
@@ -21,9 +23,14 @@ def register(app: Quart, state: ServerState) -> None:
         state.check_model(req.model)
         if req.messages is not None:
             chat = ChatCompletionRequest(messages=req.messages)
-            text = rt.render_chat(chat.template_messages(),
-                                  add_generation_prompt=req.add_generation_prompt)
-            ids = rt.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            if rt.vision is not None:  # each image part counts as its placeholder run
+                ids = vision.tokenize_chat(rt, chat, req.add_generation_prompt,
+                                           bool(req.add_special_tokens))
+            else:
+                vision.refuse_images(chat, state.settings.model_name)
+                text = rt.render_chat(chat.template_messages(),
+                                      add_generation_prompt=req.add_generation_prompt)
+                ids = rt.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
         elif req.prompt is not None:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = rt.tokenizer.encode(req.prompt, add_special_tokens=add)

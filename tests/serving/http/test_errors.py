@@ -124,3 +124,20 @@ def test_timeout(base_url, schemas):
     events = sse_events(base_url, "/v1/completions", {**body, "stream": True})
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "timeout"
+
+
+def test_an_image_on_a_text_only_model(base_url, schemas):
+    """An image part is a 400 naming it (the model takes no images), in chat and /tokenize;
+    the card lists text as the only input."""
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, _, out = post(base_url, path, {**CHAT, "messages": messages})
+        assert status == 400, out
+        schemas.error(out)
+        assert out["error"]["param"] == "messages[0].content[1]"
+        assert f"model {MODEL!r} takes no images" in out["error"]["message"]
+    status, _, models = post(base_url, "/v1/models", b"", method="GET")
+    assert status == 200 and models["data"][0]["input_modalities"] == ["text"]
+    assert "max_images" not in models["data"][0]
