@@ -68,6 +68,8 @@ class LLM:
             for `translate`.
         allowed_media_domains: a vision-language model's http(s) image URLs are fetched only
             from these domains (and their subdomains); none = data: URLs and PIL images only.
+        image_limits: a `vision.media.ImageLimits` for the bytes, pixels, fetch time and
+            redirects of each image (its max_images is the engine's `max_images`).
         Further keyword arguments go to `EngineConfig`.
 
     The mesh and memory plan are decided while the checkpoint loads, before any weight is
@@ -81,7 +83,7 @@ class LLM:
                  warmup: bool = False, loras: dict[str, str | Path] | None = None,
                  source_lang: str | None = None, target_lang: str | None = None,
                  allowed_media_domains: Sequence[str] | None = None,
-                 **engine_options: Any):
+                 image_limits: Any = None, **engine_options: Any):
         from metrale_jax.engine.config import EngineConfig
         from metrale_jax.engine.placement import PlacementHook
         if loras:
@@ -94,10 +96,13 @@ class LLM:
         self._scheduler = None
         self._warmup = warmup
         self.source_lang, self.target_lang = source_lang, target_lang
+        import dataclasses
+
         from metrale_jax.vision.media import ImageLimits
-        self.image_limits = ImageLimits(
-            max_images=self._placement.config.max_images,
-            allowed_domains=tuple(allowed_media_domains or ()))
+        self.image_limits = dataclasses.replace(
+            image_limits or ImageLimits(), max_images=self._placement.config.max_images,
+            allowed_domains=tuple(allowed_media_domains or
+                                  (image_limits.allowed_domains if image_limits else ())))
         self._image_processor = None
         if self.checkpoint.config.is_encoder_decoder:
             from metrale_jax.translation import check_default_languages

@@ -119,6 +119,11 @@ def load_refs(refs: Sequence[ImageRef], limits: Any) -> tuple[list[Any], list[st
             digest = image_digest(data)
         else:
             image = ref.image
+            w, h = image.size
+            if limits.max_pixels is not None and w * h > limits.max_pixels:
+                raise InvalidParameterError(
+                    f"{ref.param}: the image has {w}x{h} = {w * h} pixels, more than the "
+                    f"{limits.max_pixels} allowed", param=ref.param)
             digest = image_digest(np.asarray(image.convert("RGB")).tobytes()
                                   + repr(image.size).encode())
         images.append(image)

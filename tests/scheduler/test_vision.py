@@ -178,10 +178,16 @@ def test_orbax_round_trip_keeps_the_vision_encoder(vlm, tmp_path):
     from metrale_jax.weights.orbax_store import save_orbax
     llm, _ = vlm
     saved = save_orbax(llm.checkpoint, tmp_path / "orbax")
+    from metrale_jax.vision.media import ImageLimits
     again = LLM(saved, max_slots=4, max_len=128, max_prefill_len=16, max_prefill_batch=2,
-                max_images=3)
+                max_images=3, image_limits=ImageLimits(max_pixels=1000))
     try:
         assert again.config == llm.config
+        assert again.image_limits.max_images == 3 and again.image_limits.max_pixels == 1000
+        from PIL import Image
+        big = Image.new("RGB", (40, 30))  # 1200 pixels: over the limit
+        with pytest.raises(InvalidParameterError, match="pixels"):
+            again.chat([{"role": "user", "content": [{"type": "image", "image": big}]}])
         assert again.checkpoint.image_processor == llm.checkpoint.image_processor
         ids, images, _ = _prompt(llm, 2, "Compare them.", seed=12)
         handle, collect = _run(llm, ids, images)
