@@ -795,8 +795,8 @@ class Piece:
     LoRA adapters as (slot, weight) pairs (empty: none), for this piece and the row's
     decoding after it. source: an encoder-decoder row's source (encoder input ids), on its
     first piece (start 0): the encoder runs over it before the step (`check_source`); else
-    empty. images: a vision-language model's prompt images whose placeholder runs overlap
-    this piece (those the row does not hold yet are encoded before the step)."""
+    empty. images: a vision-language model's prompt images still ahead of the row from
+    `start` on (those the row does not hold yet are encoded before the step)."""
 
     slot: int
     tokens: tuple[int, ...]

@@ -1,11 +1,13 @@
 """The host side of a vision-language model's image feature pool.
 
-A request's images are encoded once, when the first prompt piece that holds one of their
-placeholder tokens is scheduled: the vision program writes each image's `[T_img, E]`
-features into a slot of the pool (`DecodeState.images`, `[slots * T_img, E]`), and every
-piece of the prompt reads them at its placeholder positions (`ChunkInputs.image_rows`). A
-row's slots are free again once its prompt is prefilled (the pages hold what the features
-gave) or the row is released; a preempted request is encoded again when it is fed again.
+A request's images are encoded once, all together, when the first prompt piece of its row
+is scheduled (after a prefix shared from the cache: only the images after it): the vision
+program writes each image's `[T_img, E]` features into a slot of the pool
+(`DecodeState.images`, `[slots * T_img, E]`), and every piece of the prompt reads them at its
+placeholder positions (`ChunkInputs.image_rows`). A row's slots are free again once its
+prompt is prefilled (the pages hold what the features gave) or the row is released; a
+preempted request is encoded again when it is fed again. A row holds all its remaining
+images or none, so rows never wait on each other's slots.
 """
 
 from __future__ import annotations
@@ -87,11 +89,11 @@ class ImagePool:
         return out
 
 
-def overlapping(images: tuple[PromptImage, ...], start: int, end: int,
-                tokens_per_image: int) -> tuple[PromptImage, ...]:
-    """The images whose placeholder runs overlap prompt positions `start .. end - 1`."""
-    return tuple(im for im in images
-                 if im.offset < end and im.offset + tokens_per_image > start)
+def remaining_images(images: tuple[PromptImage, ...], start: int,
+                     tokens_per_image: int) -> tuple[PromptImage, ...]:
+    """The images whose placeholder runs end after prompt position `start` (those a row fed
+    from `start` on still reads)."""
+    return tuple(im for im in images if im.offset + tokens_per_image > start)
 
 
 def find_image_offsets(ids: list[int] | tuple[int, ...], image_token_id: int,
@@ -116,4 +118,4 @@ def find_image_offsets(ids: list[int] | tuple[int, ...], image_token_id: int,
     return offsets
 
 
-__all__ = ["ImagePool", "PromptImage", "find_image_offsets", "overlapping"]
+__all__ = ["ImagePool", "PromptImage", "find_image_offsets", "remaining_images"]

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from metrale_jax.engine.engine import Piece
-from metrale_jax.engine.images import find_image_offsets, overlapping
+from metrale_jax.engine.images import find_image_offsets, remaining_images
 from metrale_jax.engine.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from metrale_jax.errors import BusyError, ContextLengthError, InvalidParameterError
 from metrale_jax.scheduler.beam import BeamSearch
@@ -602,15 +602,20 @@ class Scheduler:
             last = end == len(seq.feed)
             images = ()
             new_images = 0
-            if seq.request.images:  # its images overlapping the piece, encoded if need be
+            if seq.request.images:
+                # Every image still ahead of the row is encoded with its first piece: a row
+                # holds all its remaining images or none, so a row that holds some never
+                # waits for slots (no two rows can each hold part of what the other needs).
                 T = self.engine.model_config.vision.tokens_per_image
-                images = overlapping(seq.request.images, start, end, T)
+                images = remaining_images(seq.request.images, start, T)
                 new_images = len(self.engine.images.missing(slot, images))
             if (size <= 0 or used + size > cfg.max_prefill_len
                     or (last and finishing >= cfg.max_prefill_batch)
-                    or pages.shortfall(slot, end) > pages.free_pages - decode_need
-                    or new_images > image_slots):
+                    or pages.shortfall(slot, end) > pages.free_pages - decode_need):
                 break
+            if new_images > image_slots:  # it waits for slots; rows after it take no new
+                image_slots = 0           # ones meanwhile (its turn comes first)
+                continue
             image_slots -= new_images
             settings = None
             if last:

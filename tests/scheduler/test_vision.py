@@ -196,3 +196,17 @@ def test_orbax_round_trip_keeps_the_vision_encoder(vlm, tmp_path):
         assert collect(handle).token_ids == want
     finally:
         again.close()
+
+
+def test_more_images_in_flight_than_the_pool_holds(vlm):
+    """Five requests of two images each (10 images; the pool holds 3) all finish, each with
+    what it gives alone: a row waits for slots until another's prompt is prefilled."""
+    llm, _ = vlm
+    prompts = [_prompt(llm, 2, f"Picture {i}.", seed=20 + i) for i in range(5)]
+    alone = []
+    for ids, images, _ in prompts:
+        handle, collect = _run(llm, ids, images)
+        alone.append(collect(handle).token_ids)
+    handles = [_run(llm, ids, images) for ids, images, _ in prompts]
+    assert [collect(h).token_ids for h, collect in handles] == alone
+    assert llm.scheduler.engine.images.free_slots == 3
