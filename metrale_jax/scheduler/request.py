@@ -30,7 +30,11 @@ class GenerationRequest:
     prompt_ids: the prompt's token ids. deadline: `time.monotonic()` value after which the
     request ends with `TimedOut` (None = no deadline). tenant and cache_salt: the prefix
     cache's isolation key (who is calling, and a secret the caller may add): requests share
-    cached pages only when both are equal (None and None: the public namespace).
+    cached pages only when both are equal (None and None: the public namespace). The tenant
+    is also the waiting queue's unit of fairness (scheduler/waiting.py: round-robin across
+    tenants, FIFO within one). tenant_slots: the most slots (rows) the tenant's requests may
+    hold at once while others wait (None: no cap), read from the request at the head of the
+    tenant's queue.
     source: for an encoder-decoder (translation) model, the encoder's input ids (the text to
     translate); `prompt_ids` are then the decoder's prompt (`[</s>, target language]` for
     NLLB). Empty for a decoder-only model.
@@ -47,18 +51,21 @@ class GenerationRequest:
     cache_salt: str | None = None
     source: tuple[int, ...] = ()
     images: tuple[Any, ...] = ()
+    tenant_slots: int | None = None
 
     @classmethod
     def make(cls, prompt_ids: Sequence[int], params: SamplingParams,
              timeout: float | None = None, request_id: str | None = None,
              tenant: str | None = None, cache_salt: str | None = None,
-             source: Sequence[int] = (), images: Sequence[Any] = ()) -> GenerationRequest:
+             source: Sequence[int] = (), images: Sequence[Any] = (),
+             tenant_slots: int | None = None) -> GenerationRequest:
         """Builds a request; `timeout` seconds from now becomes the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         kw = {"request_id": request_id} if request_id else {}
         return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline,
                    tenant=tenant, cache_salt=cache_salt,
-                   source=tuple(int(t) for t in source), images=tuple(images), **kw)
+                   source=tuple(int(t) for t in source), images=tuple(images),
+                   tenant_slots=tenant_slots, **kw)
 
 
 class RequestHandle:

@@ -2,7 +2,9 @@
 
 Threads and queues:
 - Callers (HTTP handlers, the Python API) call `submit`, which validates the request, puts it
-  on a bounded FIFO `waiting` queue (full -> `BusyError`) and returns a `RequestHandle`.
+  on the bounded `waiting` queue (full -> `BusyError`) and returns a `RequestHandle`. The
+  queue is FIFO within a tenant and round-robin across tenants, with an optional cap on the
+  slots a tenant holds (scheduler/waiting.py); without tenants it is one FIFO.
   `cancel` puts the id on a set read by the loop. Nothing but the loop thread touches JAX.
 - The loop thread, each iteration: drops cancelled and timed-out requests (their pages go
   back to the pool), admits waiting requests into free slots (rows), and launches one
@@ -54,6 +56,7 @@ from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.token_sets import bad_word_ids
+from metrale_jax.scheduler.waiting import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class Scheduler:
         self.max_len = engine.config.max_len
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._waiting = WaitingQueue()
         self._cancelled: set[str] = set()
         self._slots: list[Sequence | None] = [None] * self.num_slots
         # Beam rows to set and pages to copy before the next step (`_flush_beams`).
@@ -368,8 +371,9 @@ class Scheduler:
     def snapshot(self) -> dict[str, Any]:
         """Slot occupancy and queue length, for metrics and dashboards (any thread).
 
-        slots[i]: None, or {"request_id", "prompt_tokens", "tokens" (generated so far),
-        "running_s" (since admission)}. stats: the loop's counters ("admitted", "finished",
+        slots[i]: None, or {"request_id", "tenant", "prompt_tokens", "tokens" (generated so
+        far), "running_s" (since admission)}. waiting_by_tenant: {tenant: requests waiting}
+        (None: requests without one). stats: the loop's counters ("admitted", "finished",
         "steps", "tokens", "loop_errors"). Read without stopping the loop: the slot list is
         copied at once, and each slot's sequence is read through one reference. A finished
         sequence's slot reads as free: its last event is posted before the loop frees the
@@ -377,6 +381,7 @@ class Scheduler:
         """
         with self._lock:
             waiting = len(self._waiting)
+            by_tenant = self._waiting.by_tenant()
         now = time.monotonic()
         admitted = dict(self._admitted_at)
         slots: list[dict[str, Any] | None] = []
@@ -386,10 +391,11 @@ class Scheduler:
                 continue
             rid = seq.request.request_id
             since = admitted.get(i)
-            slots.append({"request_id": rid, "prompt_tokens": seq.prompt_len,
-                          "tokens": seq.num_generated,
+            slots.append({"request_id": rid, "tenant": seq.request.tenant,
+                          "prompt_tokens": seq.prompt_len, "tokens": seq.num_generated,
                           "running_s": now - since[1] if since and since[0] == rid else None})
-        return {"slots": slots, "waiting": waiting, "stats": dict(self.stats)}
+        return {"slots": slots, "waiting": waiting, "waiting_by_tenant": by_tenant,
+                "stats": dict(self.stats)}
 
     # ---- loop thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -477,29 +483,32 @@ class Scheduler:
                 self._free_slot(i)
                 seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
         with self._lock:
-            keep = collections.deque()
-            for seq in self._waiting:
-                if seq.request.request_id in cancelled:
-                    seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated))
-                elif seq.request.deadline is not None and now > seq.request.deadline:
-                    seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
-                else:
-                    keep.append(seq)
-            self._waiting = keep
+            gone = self._waiting.remove_where(
+                lambda seq: seq.request.request_id in cancelled
+                or (seq.request.deadline is not None and now > seq.request.deadline))
+        for seq in gone:
+            if seq.request.request_id in cancelled:
+                seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated))
+            else:
+                seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
 
     def _admit(self) -> None:
-        """Moves waiting requests into free slots (lowest first); their prompts are then
-        prefilled piece by piece along the next steps."""
+        """Moves waiting requests into free slots (lowest first), round-robin across tenants
+        (scheduler/waiting.py); their prompts are then prefilled piece by piece along the next
+        steps."""
         free = [i for i, s in enumerate(self._slots) if s is None]
         if not free:
             return
+        held = collections.Counter(s.request.tenant for s in self._slots if s is not None)
         with self._lock:
             admitted = []
             while free and self._waiting:
-                width = self._waiting[0].request.params.num_beams
-                if width > len(free):  # a beam search takes its rows at once
+                # (a beam search takes its rows at once: `take` waits for them)
+                seq = self._waiting.take(len(free), held.__getitem__)
+                if seq is None:
                     break
-                seq = self._waiting.popleft()
+                width = seq.request.params.num_beams
+                held[seq.request.tenant] += width
                 admitted.append((free.pop(0), seq))
                 if width > 1:
                     seq.beam = _BeamGroup(seq, [admitted[-1][0], *free[:width - 1]])
@@ -844,7 +853,7 @@ class Scheduler:
     def _fail_all(self, error: BaseException) -> None:
         self._fail_slots(error)
         with self._lock:
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting = self._waiting.clear()
         for seq in waiting:
             seq.handle.post(Failed(error))
 
@@ -854,7 +863,7 @@ class Scheduler:
                 seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated, "shutdown"))
                 self._free_slot(i)
         with self._lock:
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting = self._waiting.clear()
         for seq in waiting:
             seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated, "shutdown"))
 

@@ -49,6 +49,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.prefix_cache_min_tokens < 0:
         raise MetraleError("--prefix-cache-min-tokens must be >= 0")
     _check_media_flags(args)
+    _check_access_flags(args)
     args.loras = _lora_flags(args.lora)
     if args.loras and not 1 <= len(args.loras) <= args.max_loras:
         raise MetraleError(f"{len(args.loras)} LoRA adapters for --max-loras {args.max_loras}")
@@ -69,6 +70,35 @@ def _check_media_flags(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.media_fetch_timeout) and args.media_fetch_timeout > 0):
         raise MetraleError("--media-fetch-timeout must be a number of seconds > 0")
     args.allowed_media_domains = _media_domains(args.allowed_media_domains)
+
+
+def _check_access_flags(args: argparse.Namespace) -> None:
+    """--api-keys is read and checked whole now (a bad file: exit 2 before the model
+    loads); --allowed-origins becomes a tuple of origins."""
+    if args.api_key is not None and (not args.api_key.strip() or " " in args.api_key):
+        raise MetraleError("--api-key must be a non-empty key without spaces")
+    if args.api_keys is not None:
+        from serving.http.keys import load_keys
+        load_keys(args.api_keys)
+    if args.protect_metrics and args.api_key is None and args.api_keys is None:
+        raise MetraleError("--protect-metrics needs --api-key or --api-keys")
+    args.allowed_origins = _origins(args.allowed_origins)
+
+
+def _origins(values: list[str]) -> tuple[str, ...]:
+    """--allowed-origins values (each may list several, comma separated): "*", or origins as
+    browsers send them (scheme://host[:port], no path)."""
+    import re
+    out: list[str] = []
+    for value in values:
+        for origin in filter(None, (o.strip() for o in value.split(","))):
+            if origin != "*" and not re.fullmatch(
+                    r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:\d{1,5})?", origin):
+                raise MetraleError(f"--allowed-origins {origin!r}: give '*' or an origin as "
+                                   "browsers send it (https://app.example.com[:port], no path)")
+            if origin not in out:
+                out.append(origin)
+    return tuple(out)
 
 
 def _media_domains(values: list[str]) -> tuple[str, ...]:
@@ -184,7 +214,9 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         port=args.port, max_slots=shape_flag(args.max_slots),
         max_len=shape_flag(args.max_len), dtype=args.dtype, process_id=pid,
         num_processes=processes,
-        engine_options=options, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        engine_options=options, api_key=args.api_key, api_keys_file=args.api_keys,
+        protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
+        max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
         max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, loras=args.loras,
@@ -208,6 +240,24 @@ def _parser_flags(parser: argparse.ArgumentParser) -> None:
                         choices=[*reasoning.CHOICES, *reasoning.ALIASES],
                         help="split the model's thinking into reasoning_content (default: "
                              "'think' when the chat template knows <think>)")
+
+
+def _access_flags(parser: argparse.ArgumentParser) -> None:
+    """Keys, tenants and limits (serving/http/keys.py, limits.py) and CORS."""
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (one admin key of tenant "
+                             "'default', no limits; with --api-keys, accepted beside them)")
+    parser.add_argument("--api-keys", default=None, metavar="FILE",
+                        help="a TOML or JSON file of keys (or their SHA-256), each with its "
+                             "tenant, allowed models and adapters, limits (requests and "
+                             "tokens per minute, concurrent requests, daily tokens), enabled "
+                             "and admin flags; re-read on SIGHUP")
+    parser.add_argument("--protect-metrics", action="store_true",
+                        help="/metrics needs a key too (default: open, as /health)")
+    parser.add_argument("--allowed-origins", action="extend", nargs="+", default=[],
+                        metavar="ORIGIN",
+                        help="browser pages of these origins may call the API (CORS; "
+                             "https://app.example.com, or '*' for any); default none")
 
 
 def _media_flags(parser: argparse.ArgumentParser) -> None:
@@ -249,7 +299,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="largest prefill bucket (a power of two; default the engine's)")
     srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                      help="params and compute dtype (default float32)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    _access_flags(srv)
     srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                      help="larger request bodies get 413")
     srv.add_argument("--request-timeout", type=float, default=600.0,

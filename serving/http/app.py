@@ -2,16 +2,16 @@
 
 The routes live in serving/http/routes/, one module per API group (OpenAI's chat/completions,
 completions and models; tokenize/detokenize; health, metrics and stats); here: the request
-hooks (request id, body limit, API key, multi-host followers) and the error handlers.
-Every answer carries `x-request-id`; every error is `{"error": {"message", "type", "param",
-"code"}}` (and is noted in the stats' error log). Loading and warmup start with the app
+hooks (request id and `RequestContext`, body limit, multi-host followers; keys, limits and
+CORS in serving/http/access.py) and the error handlers. Every answer carries `x-request-id`;
+every error is `{"error": {"message", "type", "param", "code"}}` (and is noted in the stats'
+error log); a 405 carries `Allow`. Loading and warmup start with the app
 (`before_serving`); /health is 503 until the model is ready. A multi-host follower (process
 id > 0) answers only /health.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import uuid
 
@@ -19,9 +19,10 @@ from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from metrale_jax.errors import MetraleError
+from serving.http import access
 from serving.http.bodies import error_response, json_response
+from serving.http.context import RequestContext
 from serving.http.errors import (
-    AuthenticationError,
     InternalError,
     MethodNotAllowedError,
     NotFoundError,
@@ -35,7 +36,6 @@ from serving.http.state import ServerState
 
 log = logging.getLogger(__name__)
 
-PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 IGNORED_HEADER = "x-metrale-ignored-fields"
 
 
@@ -43,7 +43,7 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
     """The server's app; `runtime` may be given pre-built (tests), else it loads on startup."""
     app = Quart("metrale")
     app.config.update(MAX_CONTENT_LENGTH=settings.max_body_bytes, RESPONSE_TIMEOUT=None,
-                      BODY_TIMEOUT=60, PROVIDE_AUTOMATIC_OPTIONS=False)
+                      BODY_TIMEOUT=60, PROVIDE_AUTOMATIC_OPTIONS=True)
     state = ServerState(settings, runtime)
     app.extensions["metrale"] = state
 
@@ -54,11 +54,13 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
 
     @app.after_serving
     async def _stop() -> None:
-        state.runtime.stop()
+        if state.owns_runtime:
+            state.runtime.stop()
 
     @app.before_request
     async def _before() -> None:
         g.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        g.ctx = RequestContext(g.request_id, request.method, request.path)
         if settings.process_id != 0 and request.path != "/health":  # a multi-host follower
             raise NotFoundError(
                 f"process {settings.process_id} of {settings.num_processes} of a multi-host "
@@ -67,12 +69,8 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
         if length is not None and length > settings.max_body_bytes:
             raise PayloadTooLargeError(f"the request body has {length} bytes; the limit is "
                                        f"{settings.max_body_bytes}")
-        if settings.api_key and request.path.startswith(PROTECTED):
-            auth = request.headers.get("authorization", "")
-            scheme, _, key = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    key.strip().encode(), settings.api_key.encode()):
-                raise AuthenticationError()
+
+    access.install(app, state.access)  # keys, limits, CORS: after the hook above
 
     @app.after_request
     async def _after(response: Response) -> Response:
@@ -99,8 +97,11 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
         if status == 404:
             return error_response(NotFoundError(f"no route {request.method} {request.path}"))
         if status == 405:
-            return error_response(MethodNotAllowedError(
+            response = error_response(MethodNotAllowedError(
                 f"method {request.method} is not allowed on {request.path}"))
+            allowed = getattr(e, "valid_methods", None) or []
+            response.headers["Allow"] = ", ".join(sorted(allowed))
+            return response
         if status == 413:
             return error_response(PayloadTooLargeError(
                 f"the request body is over the limit of {settings.max_body_bytes} bytes"))

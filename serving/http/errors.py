@@ -43,6 +43,27 @@ class AuthenticationError(ServerError):
         super().__init__(message, code="invalid_api_key")
 
 
+class PermissionDeniedError(ServerError):
+    """A valid key without the right (an admin route with a key that is not admin's): 403."""
+
+    status = 403
+    error_type = "permission_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="permission_denied")
+
+
+class RateLimitError(ServerError):
+    """Over a key's limit (429 with Retry-After; serving/http/limits.py)."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after = retry_after
+
+
 class UnavailableError(ServerError):
     """Not ready (loading, warming up), draining, or stopping (503 with Retry-After)."""
 
@@ -78,11 +99,16 @@ def error_body(message: str, error_type: str, param: str | None = None,
 
 
 def error_headers(error: MetraleError) -> dict[str, str]:
-    """Extra headers of an error answer: Retry-After for 503s, no-retry for timeouts."""
+    """Extra headers of an error answer: Retry-After for 503s and 429s (a 429 also in
+    milliseconds, `retry-after-ms`, which the openai client reads first), no-retry for
+    timeouts."""
     headers = {}
     retry_after = getattr(error, "retry_after", None)
     if retry_after is not None:
+        retry_after = round(retry_after, 6)  # float noise must not round 20 s up to 21
         headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+        if isinstance(error, RateLimitError):
+            headers["retry-after-ms"] = str(max(1, math.ceil(retry_after * 1000)))
     if isinstance(error, RequestTimeoutError):
         headers["x-should-retry"] = "false"
     return headers

@@ -69,7 +69,9 @@ class Generation:
             n choices.
         timeout: seconds until the request ends with a timeout (None = none).
         request_id: the HTTP request id; engine requests get `<id>-<index>`.
-        tenant, cache_salt: the prefix cache's isolation key (`GenerationRequest`).
+        tenant, cache_salt: the prefix cache's isolation key (`GenerationRequest`); the
+            tenant is also the scheduler's unit of fairness.
+        tenant_slots: the most slots the tenant's requests may hold at once (None: no cap).
         sources: a translation model's encoder inputs, one per prompt (the prompts are then
             the decoder's); their tokens count as prompt tokens. None: a decoder-only model.
         images: a vision-language model's `PromptImage`s, one tuple per prompt (their
@@ -80,7 +82,8 @@ class Generation:
                  params: SamplingParams, n: int, timeout: float | None, request_id: str,
                  tenant: str | None = None, cache_salt: str | None = None,
                  sources: Sequence[Sequence[int]] | None = None,
-                 images: Sequence[Sequence[Any]] | None = None):
+                 images: Sequence[Sequence[Any]] | None = None,
+                 tenant_slots: int | None = None):
         self.runtime = runtime
         self.metrics = metrics
         self.timeout = timeout
@@ -100,7 +103,7 @@ class Generation:
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{len(self.requests)}",
                     tenant=tenant, cache_salt=cache_salt, source=source,
-                    images=pictures))
+                    images=pictures, tenant_slots=tenant_slots))
                 self.choices += [ChoiceState(len(self.choices) + i, p, counted)
                                  for i in range(n)]
                 continue
@@ -112,7 +115,7 @@ class Generation:
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{index}",
                     tenant=tenant, cache_salt=cache_salt, source=source,
-                    images=pictures))
+                    images=pictures, tenant_slots=tenant_slots))
                 self.choices.append(ChoiceState(index, p, counted))
         self.handles: list[Any] = []
         self._tasks: list[asyncio.Task] = []
@@ -135,6 +138,19 @@ class Generation:
     def usage(self) -> dict[str, Any]:
         """The OpenAI `usage` object of the request so far."""
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    @property
+    def token_budget(self) -> int:
+        """The most tokens the request may use (what a tokens-per-minute limit reserves): its
+        prompt tokens plus, for every choice, `max_tokens` or what the context leaves."""
+        max_len = self.runtime.scheduler.max_len
+        total = self.prompt_tokens
+        for r in self.requests:
+            p = r.params
+            room = max(0, max_len - len(r.prompt_ids))
+            most = min(p.max_tokens, room) if p.max_tokens is not None else room
+            total += most * (p.num_return_sequences if p.num_beams > 1 else 1)
+        return total
 
     @property
     def completion_tokens(self) -> int:

@@ -94,9 +94,9 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
     params = output.adjust_params(params, rt.tokenizer, req.tools, req.thinking_budget)
     gen = Generation(rt, state.metrics, [prompt], params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
-                     images=[images])
+                     images=[images], **state.access.generation_options())
     gen.check()
-    gen.submit()
+    state.access.submit(gen)  # reserves its tokens against the key's limits
     env = Envelope("chatcmpl", "chat.completion", state.settings.model_name, rt.fingerprint)
     prep = Prepared(gen, env, req.stream, req.include_usage, req.logprobs,
                     token_ids=req.return_token_ids)
@@ -132,9 +132,10 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
     params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.logprobs),
                                  lora=lora)
     gen = Generation(rt, state.metrics, prompts, params, req.n,
-                     _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt)
+                     _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
+                     **state.access.generation_options())
     gen.check("prompt")
-    gen.submit()
+    state.access.submit(gen)  # reserves its tokens against the key's limits
     env = Envelope("cmpl", "text_completion", state.settings.model_name, rt.fingerprint)
     echo = [texts[c.prompt_index] for c in gen.choices] if req.echo else None
     return Prepared(gen, env, req.stream, req.include_usage, req.logprobs is not None, echo,
@@ -150,9 +151,9 @@ def _translate(state: ServerState, rt: ModelRuntime, req: Any, texts: list[str],
                                 prompt_param)
     gen = Generation(rt, state.metrics, [x.prompt for x in inputs], params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
-                     sources=[x.source for x in inputs])
+                     sources=[x.source for x in inputs], **state.access.generation_options())
     gen.check(prompt_param)
-    gen.submit()
+    state.access.submit(gen)  # reserves its tokens against the key's limits
     return gen
 
 

@@ -1,9 +1,11 @@
 """Running the app on Hypercorn: `serve()` (the CLI) and `ServerThread` (tests, notebooks).
 
 Hypercorn is configured in code. The listening socket is bound here, before Hypercorn starts,
-so port 0 works and the real URL is known. Shutdown (SIGTERM/SIGINT, or `ServerThread.stop`)
-drains: /health and new requests get 503, in-flight requests get `grace_period` seconds, the
-rest are cancelled and answered, then Hypercorn closes its connections.
+so port 0 works and the real URL is known. SIGHUP re-reads the `--api-keys` file
+(`Access.reload`; `ServerThread.reload_keys` in tests). Shutdown (SIGTERM/SIGINT, or
+`ServerThread.stop`) drains: /health and new requests get 503, in-flight requests get
+`grace_period` seconds, the rest are cancelled and answered, then Hypercorn closes its
+connections. A server on a borrowed runtime (`ServerState.owns_runtime`) leaves it running.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ async def run_server(app: Quart, sock: socket.socket, stop: asyncio.Event,
     finally:
         for t in tasks:
             t.cancel()
-        state.runtime.stop()
+        if state.owns_runtime:
+            state.runtime.stop()
     if state.runtime.error is not None:
         raise state.runtime.error
 
@@ -111,6 +114,8 @@ def serve(settings: ServerSettings, on_ready: Callable[[str], None] | None = Non
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # SIGHUP: read the --api-keys file again (requests in flight go on)
+        loop.add_signal_handler(signal.SIGHUP, server_state(app).access.reload)
         await run_server(app, sock, stop, on_ready)
 
     try:
@@ -168,6 +173,16 @@ class ServerThread:
         if self.error is not None:
             raise self.error
         return ok and self.state.runtime.ready
+
+    def reload_keys(self, timeout: float = 30.0) -> bool:
+        """What SIGHUP does to `serve()`: `Access.reload` on the server's event loop (a
+        signal cannot reach a server in a thread). Returns whether the new keys are in use."""
+        assert self._loop is not None, "the server is not started"
+        access = self.state.access
+
+        async def reload() -> bool:
+            return access.reload()
+        return asyncio.run_coroutine_threadsafe(reload(), self._loop).result(timeout)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Drains and stops the server, then joins its thread."""

@@ -20,7 +20,13 @@ class ServerSettings:
     process_id, num_processes: this process among those of a multi-host server (process 0
         serves the API; the others run the same engine calls and answer only /health).
     max_waiting: bound of the scheduler's waiting queue (beyond it: 503 + Retry-After).
-    api_key: when set, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`.
+    api_key: one key (tenant "default", admin, no limits): every route but /health and
+        /metrics needs `Authorization: Bearer <key>` (serving/http/access.py).
+    api_keys_file: a TOML or JSON file of keys with tenants, rights and limits
+        (serving/http/keys.py), read again on SIGHUP; with `api_key`, both are accepted.
+    protect_metrics: with keys, /metrics needs one too (default: open, as /health).
+    allowed_origins: the origins ("https://app.example.com", or "*") whose browser pages may
+        call the API (CORS); empty (the default): none.
     max_body_bytes: request bodies above this get 413.
     request_timeout: default per-request deadline in seconds (None = none); a request's own
         `timeout` field overrides it.
@@ -60,6 +66,9 @@ class ServerSettings:
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_waiting: int = 256
     api_key: str | None = None
+    api_keys_file: str | None = None
+    protect_metrics: bool = False
+    allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float | None = 600.0
     grace_period: float = 30.0

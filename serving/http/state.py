@@ -6,8 +6,9 @@ import asyncio
 import logging
 from typing import Any
 
-from metrale_jax.errors import InvalidParameterError, ModelNotFoundError
-from serving.http.errors import UnavailableError
+from metrale_jax.errors import InvalidParameterError
+from serving.http.access import Access
+from serving.http.errors import NotFoundError, UnavailableError
 from serving.http.metrics import Metrics
 from serving.http.runtime import ModelRuntime
 from serving.http.settings import ServerSettings
@@ -20,12 +21,19 @@ class ServerState:
     """The app's runtime, metrics, error log, in-flight count and draining flag.
 
     `active` counts generation requests accepted and not yet answered; `drain()` waits for it
-    to reach zero (graceful shutdown), then cancels what is left.
+    to reach zero (graceful shutdown), then cancels what is left. `access`: the keys, limits
+    and end-of-request hooks (serving/http/access.py).
+
+    owns_runtime: the app starts and stops its runtime: one made here or handed over not yet
+    started (`serve`). A runtime handed over already started (another app's: tests, a
+    notebook) is borrowed: stopping this app leaves it running.
     """
 
     def __init__(self, settings: ServerSettings, runtime: ModelRuntime | None = None):
         self.settings = settings
         self.runtime = runtime or ModelRuntime(settings)
+        self.owns_runtime = self.runtime.state == "starting"
+        self.access = Access(settings)
         self.metrics = Metrics(lambda: self.runtime)
         self.errors = ErrorLog()
         self.draining = False
@@ -68,22 +76,37 @@ class ServerState:
 
     def check_model(self, model: str | None, lora: list[Any] | None = None
                     ) -> str | dict[str, float] | None:
-        """404 unless `model` is the served model's name, one of its LoRA adapters' names,
-        or omitted. Returns the request's `SamplingParams.lora`: its llama.cpp `lora` list
-        ({name: scale}), else the adapter `model` names, else None (the active adapters)."""
+        """404 `model_not_found` unless `model` is the served model's name, one of its LoRA
+        adapters' names, or omitted (the served model), and the caller's key may use it (a
+        model it may not use is answered as one that does not exist). Returns the
+        request's `SamplingParams.lora`: its llama.cpp `lora` list ({name: scale}; ids of
+        adapters the key may not use are unknown ids), else the adapter `model` names, else
+        None (the active adapters)."""
         name = self.settings.model_name
         served = self.runtime.lora_paths
-        if model is not None and model != name and model not in served:
-            adapters = f" and the LoRA adapters {sorted(served)}" if served else ""
-            raise ModelNotFoundError(f"the model {model!r} does not exist; this server "
-                                     f"serves {name!r}{adapters}")
+        visible = self.access.visible_model
+        target = name if model is None else model
+        if not ((target == name or target in served)
+                and visible(target, is_adapter=target != name)):
+            shown = [n for n in sorted(served) if visible(n, is_adapter=True)]
+            adapters = f" and the LoRA adapters {shown}" if shown else ""
+            if visible(name, is_adapter=False):
+                serves = f"this server serves {name!r}{adapters}"
+            elif shown:
+                serves = f"this server serves the LoRA adapters {shown}"
+            else:
+                serves = "your API key may use none of this server's models"
+            raise NotFoundError(f"the model {target!r} does not exist; {serves}",
+                                code="model_not_found", param="model")
         if lora is not None:
             if model in served:
                 raise InvalidParameterError(
                     f"the request names the LoRA adapter {model!r} as its model and also "
                     "lists adapters in lora: give one or the other", param="lora")
             from serving.http.protocol import lora_weights
-            return lora_weights(lora, self.runtime.lora_ids())
+            ids = {i: n for i, n in self.runtime.lora_ids().items()
+                   if self.access.visible_adapter(n)}
+            return lora_weights(lora, ids)
         return model if model in served else None
 
     async def drain(self, grace: float | None = None) -> None:
@@ -99,7 +122,8 @@ class ServerState:
             await asyncio.wait_for(idle.wait(), grace)
         except TimeoutError:
             log.warning("grace period over: cancelling %d request(s)", self.active)
-        await asyncio.to_thread(self.runtime.stop)
+        if self.owns_runtime:
+            await asyncio.to_thread(self.runtime.stop)
         try:
             await asyncio.wait_for(idle.wait(), 10.0)
         except TimeoutError:

@@ -1,15 +1,20 @@
 """GET /v1/metrale/stats: the server's live state as JSON, for `metrale top` and scripts.
 
     {"model", "state", "uptime_s", "time",
-     "slots": {"total", "used", "running": [{"slot", "request_id", "prompt_tokens", "tokens",
-                                             "running_s", "tokens_per_s"}]},
+     "slots": {"total", "used", "running": [{"slot", "request_id", "tenant", "prompt_tokens",
+                                             "tokens", "running_s", "tokens_per_s"}]},
      "waiting", "requests_active", "compiles",
      "counters": {"admitted", "finished", "steps", "tokens", "loop_errors", "preempted",
                   "prefix_cache_queries", "prefix_cache_hits"},
      "prefix_cache": {"enabled", "hit_rate" (hit / queried prompt tokens; None before any),
                       "pages" (cached pages), "idle_pages" (cached, held by no request)},
      "errors": {"total", "by_status": {"400": n, ...},
-                "recent": [{"time", "status", "type", "message", "request_id"}]}}
+                "recent": [{"time", "status", "type", "message", "request_id"}]},
+     "tenants": null without API keys, else {tenant: {"keys", "enabled_keys",
+                "max_concurrent", "running" (slots held), "waiting"}}}
+
+Tenants, never keys: the stats name who is calling, and an admin key is needed to read them
+when keys are configured (serving/http/access.py).
 
 `slots.running` comes from `Scheduler.snapshot()` (read without pausing the loop); `tokens`
 in `counters` counts every generated token, so a poller gets live throughput from two reads.
@@ -61,7 +66,7 @@ def _running(slots: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
             continue
         running = s.get("running_s")
         rate = s["tokens"] / running if running else None
-        out.append({"slot": i, "request_id": s["request_id"],
+        out.append({"slot": i, "request_id": s["request_id"], "tenant": s.get("tenant"),
                     "prompt_tokens": s.get("prompt_tokens"), "tokens": s["tokens"],
                     "running_s": running, "tokens_per_s": rate})
     return out
@@ -78,6 +83,12 @@ def stats_body(state: Any) -> dict[str, Any]:
     else:
         slots, waiting, counters, compiles = [], 0, {}, 0
     running = _running(slots)
+    tenants = state.access.tenants()
+    if tenants is not None:
+        waiting_by = snap.get("waiting_by_tenant", {}) if scheduler is not None else {}
+        for name, row in tenants.items():
+            row["running"] = sum(1 for r in running if r["tenant"] == name)
+            row["waiting"] = int(waiting_by.get(name, 0))
     status = "draining" if state.draining else rt.state
     pages = getattr(scheduler.engine, "pages", None) if scheduler is not None else None
     cache = getattr(pages, "cache", None)
@@ -99,4 +110,5 @@ def stats_body(state: Any) -> dict[str, Any]:
         "counters": {k: int(counters.get(k, 0)) for k in COUNTERS},
         "prefix_cache": prefix_cache,
         "errors": state.errors.to_dict(),
+        "tenants": tenants,
     }

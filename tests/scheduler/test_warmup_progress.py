@@ -50,7 +50,8 @@ def test_without_progress_warmup_is_called_as_before():
     scheduler = Scheduler(engine, tokenizer=None)
     try:
         assert scheduler.wait_ready(30)
-        assert scheduler.snapshot() == {"slots": [None, None], "waiting": 0, "stats": {}}
+        assert scheduler.snapshot() == {"slots": [None, None], "waiting": 0,
+                                        "waiting_by_tenant": {}, "stats": {}}
     finally:
         scheduler.stop()
     assert engine.calls == ["plain"]

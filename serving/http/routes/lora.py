@@ -9,7 +9,10 @@ refuses new requests for it at once and answers when the requests already using 
 llama.cpp's: GET /lora-adapters lists the loaded adapters ({"id", "name", "path", "scale"});
 POST /lora-adapters [{"id", "scale"}, ...] sets the active adapters' scales (an adapter not
 listed gets 0), which is what a request that names no adapter (by `model` or `lora`) is served
-with. Requests already queued keep what they were given."""
+with. Requests already queued keep what they were given.
+
+With API keys, loading, unloading and setting the scales need an admin key
+(serving/http/access.py); GET /lora-adapters lists the adapters the caller's key may use."""
 
 from __future__ import annotations
 
@@ -83,7 +86,8 @@ def register(app: Quart, state: ServerState) -> None:
 
     @app.get("/lora-adapters")
     async def lora_adapters() -> Response:
-        return json_response(state.require_ready().lora_adapters())
+        return json_response([a for a in state.require_ready().lora_adapters()
+                              if state.access.visible_adapter(a["name"])])
 
     @app.post("/lora-adapters")
     async def set_lora_scales() -> Response:

@@ -1,6 +1,9 @@
 """OpenAI's API: POST /v1/chat/completions, POST /v1/completions (streamed as SSE or whole)
 and GET /v1/models[/{id}]. The request work lives in serving/http/handlers.py; here: the
-routes, and the begin/end bookkeeping of a generation around its response."""
+routes, and the begin/end bookkeeping of a generation around its response: its end (the JSON
+answer built, or the stream's end, or its client gone) finishes its `RequestContext`
+(`Access.finish`: the usage is settled against the key's limits there, once). /v1/models
+lists only what the caller's key may use."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from quart import Quart, Response, g
 
 from serving.http import handlers
 from serving.http.bodies import json_response, read_body
+from serving.http.context import current
 from serving.http.errors import NotFoundError
 from serving.http.protocol import ChatCompletionRequest, CompletionRequest
 from serving.http.state import ServerState
@@ -21,11 +25,14 @@ def register(app: Quart, state: ServerState) -> None:
 
     async def _generate(prep: handlers.Prepared, body, stream) -> Response:
         rt = state.runtime
+        ctx = current()
         state.begin()
         if prep.stream:
             rid = g.request_id
             prep.on_error = lambda e: state.errors.record(e.status, e.error_type, e.message, rid)
-            done = _once(state.end)
+            if ctx is not None:
+                ctx.deferred = True  # the stream's end finishes it, not the handler's
+            done = _once(lambda: (state.end(), ctx is not None and state.access.finish(ctx)))
             # The task that sends the body also ran this handler: if the client leaves before
             # the body starts, the generator never runs, so its end is tied to the task too.
             task = asyncio.current_task()
@@ -39,6 +46,8 @@ def register(app: Quart, state: ServerState) -> None:
         finally:
             prep.gen.observe_end()
             state.end()
+            if ctx is not None:  # before the answer's x-ratelimit headers are written
+                state.access.finish(ctx)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -52,18 +61,24 @@ def register(app: Quart, state: ServerState) -> None:
         prep = handlers.prepare_completion(state, req, g.request_id)
         return await _generate(prep, handlers.completion_body, handlers.completion_stream)
 
+    def cards() -> list[dict]:
+        """The cards of the models the caller may use (the base model first)."""
+        base = state.runtime.model_card()
+        out = [base] if state.access.visible_model(base["id"], is_adapter=False) else []
+        return out + [c for c in state.runtime.lora_cards()
+                      if state.access.visible_model(c["id"], is_adapter=True)]
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [state.runtime.model_card(),
-                                                         *state.runtime.lora_cards()]})
+        return json_response({"object": "list", "data": cards()})
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        cards = {c["id"]: c for c in [state.runtime.model_card(), *state.runtime.lora_cards()]}
-        if model_id not in cards:
+        cards_by_id = {c["id"]: c for c in cards()}
+        if model_id not in cards_by_id:
             raise NotFoundError(f"the model {model_id!r} does not exist", code="model_not_found",
                                 param="model")
-        return json_response(cards[model_id])
+        return json_response(cards_by_id[model_id])
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:

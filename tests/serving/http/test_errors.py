@@ -25,7 +25,10 @@ CASES = [
     ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("bad role", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
-    ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 400, "model"),
+    ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model"),
+    ("unknown model, completions", "/v1/completions",
+     {"model": "gpt-9", "prompt": "hi", "max_tokens": 2}, 404, "model"),
+    ("unknown model, tokenize", "/tokenize", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
     ("image part", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": [
          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
@@ -87,9 +90,22 @@ def test_404_and_405(base_url, schemas):
     status, headers, out = post(base_url, "/v1/nothing", {})
     assert status == 404 and headers.get("x-request-id")
     schemas.error(out)
-    status, _, out = post(base_url, "/v1/chat/completions", b"", method="GET")
+    status, headers, out = post(base_url, "/v1/chat/completions", b"", method="GET")
     assert status == 405
     schemas.error(out)
+    assert {m.strip() for m in headers["Allow"].split(",")} == {"OPTIONS", "POST"}
+    status, headers, _ = post(base_url, "/v1/models", b"", method="POST")
+    assert status == 405
+    assert {m.strip() for m in headers["Allow"].split(",")} == {"GET", "HEAD", "OPTIONS"}
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    """OpenAI's and vLLM's status and code (llama.cpp's server tests check both)."""
+    import openai
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=MSG, max_tokens=2)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+    assert f"serves {MODEL!r}" in e.value.message
 
 
 def test_api_key(server, schemas):

@@ -66,7 +66,7 @@ def test_the_model_field_picks_the_adapter(lora_server):
 def test_an_unknown_model_is_refused_naming_the_adapters(lora_server, schemas):
     srv = lora_server[0]
     status, _, body = post(srv.url, "/v1/completions", {"model": "nope", "prompt": "hi"})
-    assert status == 400  # as for any unknown model here (errors.ModelNotFoundError)
+    assert status == 404  # as for any unknown model (OpenAI's and vLLM's status)
     schemas.error(body)
     assert "sql" in body["error"]["message"] and body["error"]["code"] == "model_not_found"
 
@@ -100,7 +100,7 @@ def test_adapters_load_and_unload_at_runtime(lora_server, schemas):
     assert status == 200 and body["status"] == "unloaded"
     assert "sql2" not in {c["id"] for c in get_json(url, "/v1/models")["data"]}
     status, _, err = post(url, "/v1/completions", {"model": "sql2", "prompt": "hi"})
-    assert status == 400 and err["error"]["code"] == "model_not_found"
+    assert status == 404 and err["error"]["code"] == "model_not_found"
     status, _, err = post(url, "/v1/unload_lora_adapter", {"lora_name": "sql2"})
     assert status == 400 and "no LoRA adapter 'sql2'" in err["error"]["message"]
 
