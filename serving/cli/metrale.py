@@ -1,6 +1,6 @@
 """The `metrale` command: its parser and `main`. Each subcommand (`pull`, `convert`,
-`generate`, `serve`, `models`, `chat`, `bench`, `top`) lives in its own module of serving/cli
-with an `add_parser(sub)` that registers its flags and its `cmd_*` function.
+`generate`, `serve`, `models`, `chat`, `bench`, `top`, `replay`) lives in its own module of
+serving/cli with an `add_parser(sub)` that registers its flags and its `cmd_*` function.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad input (one line on stderr, never a
 traceback).
@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="metrale", description="Metrale-JAX: LLM inference on JAX/XLA.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    from serving.cli import bench, chat, convert, generate, models, pull, serve, top
-    for command in (pull, convert, generate, serve, models, chat, bench, top):
+    from serving.cli import bench, chat, convert, generate, models, pull, replay, serve, top
+    for command in (pull, convert, generate, serve, models, chat, bench, top, replay):
         command.add_parser(sub)
     return p
 
