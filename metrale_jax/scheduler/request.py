@@ -79,6 +79,9 @@ class RequestHandle:
         self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
         self._done = threading.Event()
+        # `time.monotonic()` when the request first got a slot (None: still waiting), set by
+        # the batching loop; what it waited in the queue is this less its submission.
+        self.admitted_at: float | None = None
 
     @property
     def request_id(self) -> str:

@@ -533,6 +533,8 @@ class Scheduler:
             self._slots[slot] = seq
             self._prefilling.append(slot)
             self._admitted_at[slot] = (seq.request.request_id, now)
+            if seq.handle.admitted_at is None:
+                seq.handle.admitted_at = now
             self.grammar.freed(slot)
             if seq.beam is not None:
                 self._start_beams(seq)

@@ -15,8 +15,9 @@ ones (`temperature` 0 or `top_k` 1) and seeded ones (`seed` set); a dumped error
 is compared on its status whatever the sampling.
 
 Skipped: redacted entries (their prompts are gone), routes other than the two above, sampled
-requests, and outcomes that depended on the moment (cancelled by the client, timed out, or
-answered 408, 429, 499, 503 or 504). Exit code 0 when every replayed request compared equal,
+requests, outcomes that depended on the moment (cancelled by the client, timed out, or
+answered 408, 429, 499, 503 or 504) and those that answered the caller's key (401, 403: the
+replay sends its own `--api-key`). Exit code 0 when every replayed request compared equal,
 1 when some differ or failed, 2 for bad input (a missing or empty dump, a bad URL).
 """
 
@@ -41,10 +42,14 @@ GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 UNREPRODUCIBLE_STATUSES = frozenset({408, 429, 499, 503, 504})
 """Statuses that say more about the server's load at the time than about the request."""
 
+KEY_STATUSES = frozenset({401, 403})
+"""Statuses that answered the caller's key (the replay sends its own `--api-key`)."""
+
 SKIP_REDACTED = "redacted"
 SKIP_NOT_GENERATION = "not generation"
 SKIP_SAMPLED = "sampled"
 SKIP_MOMENT = "cancelled / timed out / overloaded"
+SKIP_KEY = "refused the key"
 SKIP_NO_BODY = "no body"
 SKIP_UNREADABLE = "unreadable line"
 
@@ -172,6 +177,8 @@ def plan(entry: dict[str, Any], model: str | None = None) -> Planned | str:
     if (outcome.get("cancelled") or outcome.get("timed_out")
             or status in UNREPRODUCIBLE_STATUSES):
         return SKIP_MOMENT
+    if status in KEY_STATUSES:
+        return SKIP_KEY
     errored = isinstance(status, int) and status >= 400
     if not errored and not is_deterministic(body):
         return SKIP_SAMPLED

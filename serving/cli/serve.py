@@ -8,6 +8,7 @@ import argparse
 import logging
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from metrale_jax.errors import MetraleError
@@ -83,6 +84,14 @@ def _check_access_flags(args: argparse.Namespace) -> None:
     if args.protect_metrics and args.api_key is None and args.api_keys is None:
         raise MetraleError("--protect-metrics needs --api-key or --api-keys")
     args.allowed_origins = _origins(args.allowed_origins)
+    if args.dump_file_mb <= 0:
+        raise MetraleError("--dump-file-mb must be > 0")
+    if args.dump_redact and args.dump_requests is None:
+        raise MetraleError("--dump-redact needs --dump-requests DIR")
+    if args.dump_requests is not None:
+        folder = Path(args.dump_requests)
+        if folder.exists() and not folder.is_dir():
+            raise MetraleError(f"--dump-requests {args.dump_requests}: not a folder")
 
 
 def _origins(values: list[str]) -> tuple[str, ...]:
@@ -216,6 +225,8 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         num_processes=processes,
         engine_options=options, api_key=args.api_key, api_keys_file=args.api_keys,
         protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
+        dump_requests=args.dump_requests, dump_redact=args.dump_redact,
+        dump_file_bytes=int(args.dump_file_mb * 1024 * 1024),
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
         max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
@@ -258,6 +269,15 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
                         metavar="ORIGIN",
                         help="browser pages of these origins may call the API (CORS; "
                              "https://app.example.com, or '*' for any); default none")
+    parser.add_argument("--dump-requests", default=None, metavar="DIR",
+                        help="number every request (x-request-seq) and write one JSON line "
+                             "per request into DIR (requests-<seq>.jsonl): tenant, route, "
+                             "body, outcome, timings; replay with 'metrale replay DIR'")
+    parser.add_argument("--dump-redact", action="store_true",
+                        help="request dumps keep no prompt or output text, only lengths")
+    parser.add_argument("--dump-file-mb", type=float, default=64.0, metavar="MB",
+                        help="rotate a request dump file before it passes this size "
+                             "(default 64)")
 
 
 def _media_flags(parser: argparse.ArgumentParser) -> None:

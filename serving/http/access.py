@@ -11,7 +11,8 @@
   (`ADMIN_ROUTES`) need a key with `admin = true` (else 403); the key's concurrency, daily
   quota and requests per minute are checked (429 `rate_limit_exceeded`).
 - after each: the key's `x-ratelimit-*` headers (on 429s too).
-- at the end of each (teardown; a stream's end instead): `finish(ctx)`.
+- at the end of each (teardown; a stream's end instead): `finish(ctx)`; a generation's
+  usage is `settle`d before its answer's headers are written.
 
 A generation reserves its most possible tokens through `submit(gen)` and gets its tenant
 (`GenerationRequest.tenant`, the prefix cache's isolation key) and the tenant's share of the
@@ -41,9 +42,10 @@ from serving.http.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
-ADMIN_ROUTES = (("GET", "/v1/metrale/stats"), ("POST", "/lora-adapters"),
-                ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"))
-EXPOSED_HEADERS = ("x-request-id", "retry-after", "retry-after-ms",
+ADMIN_ROUTES = (("GET", "/v1/metrale/stats"), ("GET", "/v1/metrale/usage"),
+                ("POST", "/lora-adapters"), ("POST", "/v1/load_lora_adapter"),
+                ("POST", "/v1/unload_lora_adapter"))
+EXPOSED_HEADERS = ("x-request-id", "x-request-seq", "retry-after", "retry-after-ms",
                    *(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset")
                      for kind in ("requests", "tokens")))
 
@@ -154,13 +156,13 @@ class Access:
         if ctx is not None:
             ctx.generation = gen
 
-    def finish(self, ctx: RequestContext) -> None:
-        """The request has ended: its actual usage is known. Settles its token reservation,
-        frees its place in the key's concurrency, and runs the end hooks; once per request
-        (later calls do nothing)."""
-        if ctx.finished:
+    def settle(self, ctx: RequestContext) -> None:
+        """The request's usage is known: charges it to the key's limits (its token
+        reservation settled to the actual use, its place in the key's concurrency freed);
+        once per request (later calls do nothing)."""
+        if ctx.settled:
             return
-        ctx.finished = True
+        ctx.settled = True
         gen = ctx.generation
         ctx.usage = gen.usage() if gen is not None else {}
         limiter = ctx.limiter
@@ -170,12 +172,19 @@ class Access:
                                self.limiter.clock())
             if ctx.counted:
                 limiter.leave()
+
+    def finish(self, ctx: RequestContext) -> None:
+        """The request has ended: settles it (if not yet) and runs the end hooks; once per
+        request (later calls do nothing)."""
+        if ctx.finished:
+            return
+        self.settle(ctx)
+        ctx.finished = True
         for hook in self.end_hooks:
             try:
                 hook(ctx)
             except Exception:
-                log.exception("end-of-request hook %r failed (request %s)", hook,
-                              ctx.request_id)
+                log.exception("end-of-request hook %r failed (request %s)", hook, ctx.label())
 
     # ---- what a key may use ---------------------------------------------------------------
     def visible_model(self, name: str, is_adapter: bool) -> bool:

@@ -1,5 +1,6 @@
 """JSON in and out of a request: the helpers every route group and the app's error handlers
-share. Reads the request through Quart's context; imports only the protocol and errors.
+share. Reads the request through Quart's context; imports only the protocol, errors and
+the request context (the parsed body is kept there for the request dump).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 from quart import Response, g, request
 
 from metrale_jax.errors import InvalidParameterError, MetraleError
+from serving.http.context import current
 from serving.http.errors import error_headers
 from serving.http.protocol import parse
 
@@ -36,6 +38,9 @@ async def read_body(model: type) -> Any:
         decoded = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidParameterError(f"the request body is not valid JSON: {e}") from None
+    ctx = current()
+    if ctx is not None:
+        ctx.body = decoded  # for the request dump
     parsed = parse(model, decoded)
     unknown = parsed.unknown_fields()
     if unknown:

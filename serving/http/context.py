@@ -3,16 +3,20 @@
 Made for every request in the app's first `before_request` hook and kept on `quart.g.ctx`
 (`current()` reads it); the access hooks (serving/http/access.py) fill in the key, its
 tenant and limits; a generation adds its `Generation` once submitted, and its token
-reservation. When the request has ended (the JSON answer is built, or a stream's last event
-is sent, or its client left), `Access.finish` reports its actual usage exactly once: it
-settles the token reservation and runs the end hooks (`Access.end_hooks`), each of which
-gets the finished context (the place for request dumps and per-tenant usage counters).
+reservation; the app's hooks add the status and error answered. Once a generation's usage is
+known (its JSON answer built, or its stream ended, or its client gone), `Access.settle`
+charges it to the key's limits (before the answer's `x-ratelimit-*` headers are written);
+once the request has ended (after its answer was sent, or a stream's last event, or its
+client left), `Access.finish` runs the end hooks (`Access.end_hooks`) exactly once, each of
+which gets the finished context: the request dump, the log line and the per-tenant usage
+(serving/http/request_end.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from quart import g, has_request_context
@@ -35,7 +39,15 @@ class RequestContext:
         generation, or it never reached the scheduler).
     usage: the OpenAI usage object once the request ended ({} when it used no tokens).
     deferred: the answer outlives its handler (a stream): its end finishes the context.
+    settled: the usage is known and charged to the key's limits (`Access.settle`).
     finished: `Access.finish` has run.
+    status: the HTTP status answered (None: no answer was sent: the client left first).
+    error: the OpenAI error answered, `{"type", "code", "message"}` (a stream's error event
+        too; None: none).
+    body: the request's JSON body as parsed (None: none, or not JSON).
+    stream: the answer is a stream; stream_done: its last event (`[DONE]`) was sent.
+    outcome: called once the request ended, the (finish reasons, texts) of its choices as
+        the client saw them (set by the generation routes; None: no choices).
     """
 
     request_id: str
@@ -51,12 +63,37 @@ class RequestContext:
     generation: Any = None
     usage: dict[str, Any] | None = None
     deferred: bool = False
+    settled: bool = False
     finished: bool = False
+    status: int | None = None
+    error: dict[str, Any] | None = None
+    body: Any = None
+    stream: bool = False
+    stream_done: bool = False
+    outcome: Callable[[], tuple[list[str | None], list[str | None]]] | None = None
 
     @property
     def tenant(self) -> str | None:
         """The caller's tenant (None: no key)."""
         return self.key.tenant if self.key is not None else None
+
+    @property
+    def cancelled(self) -> bool:
+        """The client left before the whole answer was sent (no answer at all, or a stream
+        ended without its last event and without an error)."""
+        if self.status is None:
+            return True
+        return self.stream and not self.stream_done and self.error is None
+
+    @property
+    def timed_out(self) -> bool:
+        """The request's deadline passed (answered 408, or a stream's timeout event)."""
+        return self.error is not None and self.error.get("code") == "timeout"
+
+    def label(self) -> str:
+        """How log lines name the request: `#<seq> (<request id>)`, or the request id when
+        requests are not numbered."""
+        return f"#{self.seq} ({self.request_id})" if self.seq is not None else self.request_id
 
     @property
     def key_name(self) -> str | None:

@@ -54,14 +54,17 @@ class PermissionDeniedError(ServerError):
 
 
 class RateLimitError(ServerError):
-    """Over a key's limit (429 with Retry-After; serving/http/limits.py)."""
+    """Over a key's limit (429 with Retry-After; serving/http/limits.py). `limit` names which:
+    "requests" (per minute), "tokens" (per minute), "concurrent" or "daily_tokens"."""
 
     status = 429
     error_type = "rate_limit_error"
+    LIMITS = ("requests", "tokens", "concurrent", "daily_tokens")
 
-    def __init__(self, message: str, retry_after: float):
+    def __init__(self, message: str, retry_after: float, limit: str = "requests"):
         super().__init__(message, code="rate_limit_exceeded")
         self.retry_after = retry_after
+        self.limit = limit
 
 
 class UnavailableError(ServerError):

@@ -119,6 +119,13 @@ class Generation:
                 self.choices.append(ChoiceState(index, p, counted))
         self.handles: list[Any] = []
         self._tasks: list[asyncio.Task] = []
+        self.first_token_at: float | None = None  # time.monotonic() of the first token
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """Seconds from submission until the first choice got a slot (None: none did)."""
+        admitted = [h.admitted_at for h in self.handles if h.admitted_at is not None]
+        return max(0.0, min(admitted) - self.arrived) if admitted else None
 
     @property
     def prompt_tokens(self) -> int:
@@ -246,6 +253,8 @@ class Generation:
         now = time.monotonic()
         if isinstance(event, Token):
             n = len(event.token_ids)
+            if self.first_token_at is None:
+                self.first_token_at = now
             if choice.last_token_at is None:
                 m.ttft.observe(now - self.arrived)
             else:

@@ -49,6 +49,7 @@ class Prepared:
         self.logprobs = logprobs
         self.echo = echo
         self.on_error: Callable[[MetraleError], None] | None = None  # errors sent in a stream
+        self.sent_done = False  # a stream's last event ([DONE]) was sent
         self.output: ChatOutput | None = None  # chat: reasoning / tool-call parsing, if any
 
 
@@ -184,6 +185,27 @@ def chat_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
     return body
 
 
+def outcome(prep: Prepared) -> tuple[list[str | None], list[str | None]]:
+    """Each choice's finish reason and text as the client saw them (a whole answer or a
+    stream's deltas together): a chat choice's `message.content` (None when it had none, as
+    with only tool calls), a completion's `text` (its echo included); a choice cut short has
+    the text so far and finish reason None. For request dumps."""
+    reasons: list[str | None] = []
+    texts: list[str | None] = []
+    chat = prep.env.object.startswith("chat.")
+    for c in prep.gen.choices:
+        reason, text = c.finish_reason, c.output
+        if chat and prep.output is not None:
+            message, called = prep.output.message(text)
+            text = message.get("content")
+            reason = prep.output.finish_reason(reason, called) if reason is not None else None
+        elif not chat and prep.echo:
+            text = prep.echo[c.index] + text
+        reasons.append(reason)
+        texts.append(text)
+    return reasons, texts
+
+
 def completion_body(prep: Prepared, rt: ModelRuntime) -> dict[str, Any]:
     """The non-streaming text_completion body."""
     gen = prep.gen
@@ -216,11 +238,13 @@ async def _stream(prep: Prepared, first: Callable[[], list[bytes]],
             yield sse(prep.env.body([], gen.usage(),
                                     obj=prep.env.object))
         yield DONE
+        prep.sent_done = True
     except MetraleError as e:
         if prep.on_error is not None:
             prep.on_error(e)
         yield sse(e.to_openai())
         yield DONE
+        prep.sent_done = True
     except Exception:
         log.exception("stream %s failed", prep.env.id)
         error = InternalError("internal error while streaming")
@@ -228,6 +252,7 @@ async def _stream(prep: Prepared, first: Callable[[], list[bytes]],
             prep.on_error(error)
         yield sse(error.to_openai())
         yield DONE
+        prep.sent_done = True
     finally:
         gen.cancel()
         gen.observe_end()

@@ -12,7 +12,8 @@
     max_concurrent_requests = 8
     daily_tokens = 2000000
     enabled = true              # false: answered 401 like an unknown key
-    admin = false               # true: /v1/metrale/stats and the adapter-changing routes
+    admin = false               # true: /v1/metrale/stats, /v1/metrale/usage and the
+                                # adapter-changing routes
 
     [tenants.acme]
     max_concurrent = 4          # the most slots the tenant's requests hold at once

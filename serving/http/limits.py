@@ -151,11 +151,12 @@ class KeyLimiter:
         cap = self.limits.max_concurrent_requests
         if cap is not None and self.active >= cap:
             raise RateLimitError(f"the key {name!r} has {self.active} requests in flight, its "
-                                 f"limit of concurrent requests; retry when one has ended", 1.0)
+                                 f"limit of concurrent requests; retry when one has ended", 1.0,
+                                 "concurrent")
         if self.daily is not None and self.daily.left(now) <= 0:
             raise RateLimitError(
                 f"the key {name!r} has used its daily quota of {self.daily.limit} tokens; it "
-                "resets at 00:00 UTC", DailyQuota.until_reset(now))
+                "resets at 00:00 UTC", DailyQuota.until_reset(now), "daily_tokens")
         if self.requests is not None:
             wait = self.requests.wait(1, now)
             if wait > 0:
@@ -178,12 +179,12 @@ class KeyLimiter:
                 raise RateLimitError(
                     f"request too large for the key {name!r}: it may use {tokens} tokens "
                     f"(prompt plus max_tokens), the limit is {self.tokens.capacity} tokens per "
-                    "minute; lower max_tokens or shorten the prompt", 60.0)
+                    "minute; lower max_tokens or shorten the prompt", 60.0, "tokens")
             if wait > 0:
                 raise RateLimitError(
                     f"rate limit reached for the key {name!r}: {self.tokens.capacity} tokens "
                     f"per minute; this request may use {tokens} (prompt plus max_tokens), "
-                    f"{self.tokens.remaining(now)} are left", wait)
+                    f"{self.tokens.remaining(now)} are left", wait, "tokens")
         day = None
         if self.daily is not None:
             left = self.daily.left(now)
@@ -191,7 +192,7 @@ class KeyLimiter:
                 raise RateLimitError(
                     f"the key {name!r} has {left} tokens left of its daily quota of "
                     f"{self.daily.limit}; this request may use {tokens} (prompt plus "
-                    "max_tokens)", DailyQuota.until_reset(now))
+                    "max_tokens)", DailyQuota.until_reset(now), "daily_tokens")
             self.daily.used += tokens
             day = self.daily.day
         if self.tokens is not None:

@@ -27,6 +27,13 @@ class ServerSettings:
     protect_metrics: with keys, /metrics needs one too (default: open, as /health).
     allowed_origins: the origins ("https://app.example.com", or "*") whose browser pages may
         call the API (CORS); empty (the default): none.
+    dump_requests: a folder for request dumps (serving/http/dumps.py): every request but
+        /health and /metrics is numbered (`x-request-seq`, log lines) and gets one JSON line
+        there when it ends; None (the default): no dumps, and requests are not numbered.
+    dump_redact: the dumps keep no prompt or output text (only their lengths).
+    dump_file_bytes: a dump file is rotated before it would pass this size.
+    usage_retention: seconds of per-minute usage `GET /v1/metrale/usage?since=` can look
+        back over (serving/http/usage.py).
     max_body_bytes: request bodies above this get 413.
     request_timeout: default per-request deadline in seconds (None = none); a request's own
         `timeout` field overrides it.
@@ -69,6 +76,10 @@ class ServerSettings:
     api_keys_file: str | None = None
     protect_metrics: bool = False
     allowed_origins: tuple[str, ...] = ()
+    dump_requests: str | None = None
+    dump_redact: bool = False
+    dump_file_bytes: int = 64 * 1024 * 1024
+    usage_retention: float = 7 * 86400.0
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float | None = 600.0
     grace_period: float = 30.0

@@ -13,6 +13,7 @@ from serving.http.metrics import Metrics
 from serving.http.runtime import ModelRuntime
 from serving.http.settings import ServerSettings
 from serving.http.stats import ErrorLog
+from serving.http.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,8 @@ class ServerState:
 
     `active` counts generation requests accepted and not yet answered; `drain()` waits for it
     to reach zero (graceful shutdown), then cancels what is left. `access`: the keys, limits
-    and end-of-request hooks (serving/http/access.py).
+    and end-of-request hooks (serving/http/access.py). `dumper`: the request dumps
+    (`--dump-requests`; None: off). `usage`: the per-tenant usage (serving/http/usage.py).
 
     owns_runtime: the app starts and stops its runtime: one made here or handed over not yet
     started (`serve`). A runtime handed over already started (another app's: tests, a
@@ -35,6 +37,13 @@ class ServerState:
         self.owns_runtime = self.runtime.state == "starting"
         self.access = Access(settings)
         self.metrics = Metrics(lambda: self.runtime)
+        self.usage = UsageBook(self.metrics.registry, retention=settings.usage_retention)
+        self.dumper = None
+        if settings.dump_requests:
+            from serving.http.dumps import RequestDumper
+            self.dumper = RequestDumper(settings.dump_requests,
+                                        max_file_bytes=settings.dump_file_bytes,
+                                        redact=settings.dump_redact)
         self.errors = ErrorLog()
         self.draining = False
         self.active = 0

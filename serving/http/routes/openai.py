@@ -1,8 +1,9 @@
 """OpenAI's API: POST /v1/chat/completions, POST /v1/completions (streamed as SSE or whole)
 and GET /v1/models[/{id}]. The request work lives in serving/http/handlers.py; here: the
-routes, and the begin/end bookkeeping of a generation around its response: its end (the JSON
-answer built, or the stream's end, or its client gone) finishes its `RequestContext`
-(`Access.finish`: the usage is settled against the key's limits there, once). /v1/models
+routes, and the begin/end bookkeeping of a generation around its response: once its usage is
+known (the JSON answer built, or its client gone) it is settled against the key's limits
+(`Access.settle`); a stream's end (its last event sent, or its client gone) finishes its
+`RequestContext` (`Access.finish`), the app's teardown finishes the others. /v1/models
 lists only what the caller's key may use."""
 
 from __future__ import annotations
@@ -27,12 +28,28 @@ def register(app: Quart, state: ServerState) -> None:
         rt = state.runtime
         ctx = current()
         state.begin()
+        if ctx is not None:
+            ctx.outcome = lambda: handlers.outcome(prep)
         if prep.stream:
             rid = g.request_id
-            prep.on_error = lambda e: state.errors.record(e.status, e.error_type, e.message, rid)
+
+            def on_error(e) -> None:  # an error sent as a stream event
+                state.errors.record(e.status, e.error_type, e.message, rid)
+                if ctx is not None:
+                    ctx.error = {"type": e.error_type, "code": e.code, "message": e.message}
+
+            prep.on_error = on_error
             if ctx is not None:
                 ctx.deferred = True  # the stream's end finishes it, not the handler's
-            done = _once(lambda: (state.end(), ctx is not None and state.access.finish(ctx)))
+                ctx.stream = True
+
+            def end() -> None:
+                state.end()
+                if ctx is not None:
+                    ctx.stream_done = prep.sent_done
+                    state.access.finish(ctx)
+
+            done = _once(end)
             # The task that sends the body also ran this handler: if the client leaves before
             # the body starts, the generator never runs, so its end is tied to the task too.
             task = asyncio.current_task()
@@ -47,7 +64,7 @@ def register(app: Quart, state: ServerState) -> None:
             prep.gen.observe_end()
             state.end()
             if ctx is not None:  # before the answer's x-ratelimit headers are written
-                state.access.finish(ctx)
+                state.access.settle(ctx)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from serving.cli.replay import is_deterministic, plan, replay_body
+from serving.cli.replay import Planned, is_deterministic, plan, replay_body
 from serving.http.dumps import RequestDumper, dump_entry
 from tests.serving.conftest import run_main
 
@@ -281,3 +281,6 @@ def test_what_is_replayed():
     cancelled["outcome"]["cancelled"] = True
     assert plan(cancelled) == "cancelled / timed out / overloaded"
     assert plan(line(1, "not a dict")) == "no body"
+    for status in (401, 403):  # the replay's own key answers these, not the request
+        assert plan(line(1, chat("x", temperature=0), status=status)) == "refused the key"
+    assert isinstance(plan(line(1, chat("x", temperature=0), status=400)), Planned)

@@ -488,12 +488,15 @@ def test_keys_never_reach_a_log_line_or_a_header(url, caplog):
     (["--protect-metrics"], "--protect-metrics needs --api-key or --api-keys"),
     (["--allowed-origins", "https://app.example/path"], "no path"),
     (["--allowed-origins", "app.example"], "--allowed-origins 'app.example'"),
+    (["--dump-redact"], "--dump-redact needs --dump-requests DIR"),
+    (["--dump-requests", "{bad}"], "not a folder"),
+    (["--dump-requests", "{tmp}", "--dump-file-mb", "0"], "--dump-file-mb must be > 0"),
 ])
 def test_bad_access_flags_exit_2_before_the_model_loads(capsys, tmp_path, args, needle):
     from tests.serving.conftest import run_main
     bad = tmp_path / "bad.toml"
     bad.write_text('[[keys]]\nkey = "sk-x"\ncolour = "red"\n')
-    args = [a.format(absent=tmp_path / "absent.toml", bad=bad) for a in args]
+    args = [a.format(absent=tmp_path / "absent.toml", bad=bad, tmp=tmp_path) for a in args]
     code, _, err = run_main(capsys, "serve", "--model", str(tmp_path / "absent-model"),
                             "--port", "0", *args)
     assert code == 2, err
@@ -508,9 +511,12 @@ def test_access_flags_reach_the_settings(tmp_path):
     keys.write_text(json.dumps({"keys": [{"key": "sk-x", "tenant": "a"}]}))
     args = build_parser().parse_args([
         "serve", "--api-keys", str(keys), "--api-key", "sk-y", "--protect-metrics",
-        "--allowed-origins", "https://a.example,http://localhost:3000", "*"])
+        "--allowed-origins", "https://a.example,http://localhost:3000", "*",
+        "--dump-requests", str(tmp_path / "dumps"), "--dump-redact", "--dump-file-mb", "0.5"])
     check_flags(args)
     s = server_settings(args)
+    assert (s.dump_requests, s.dump_redact, s.dump_file_bytes) == (
+        str(tmp_path / "dumps"), True, 512 * 1024)
     assert (s.api_keys_file, s.api_key, s.protect_metrics) == (str(keys), "sk-y", True)
     assert s.allowed_origins == ("https://a.example", "http://localhost:3000", "*")
     from serving.http.access import read_keys
@@ -520,3 +526,4 @@ def test_access_flags_reach_the_settings(tmp_path):
     check_flags(plain_args)
     plain = server_settings(plain_args)
     assert plain.api_keys_file is None and plain.allowed_origins == ()
+    assert plain.dump_requests is None and not plain.dump_redact
