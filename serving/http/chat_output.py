@@ -43,6 +43,9 @@ from serving.http.tools.request import ToolChoice
 log = logging.getLogger(__name__)
 
 PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end tells whether it opened a <think>
+MAX_TOOL_CALLS = 16
+"""The most tool calls one answer returns (fewer with `parallel_tool_calls` false: one);
+calls that repeat an earlier one of the answer (same name, same arguments) are dropped."""
 
 
 class ChoiceStream:
@@ -129,7 +132,9 @@ class ChatOutput:
                     "server with --tool-call-parser NAME, or send tool_choice 'none'",
                     param="tools")
             if not suppress_tool_call:
-                tool_parser = tool_parser_class(tool_format)(max_calls=choice.max_calls)
+                tool_parser = tool_parser_class(tool_format)(
+                    max_calls=choice.max_calls or MAX_TOOL_CALLS, unique=True,
+                    forced=choice.constrained)
         name = resolve_reasoning_parser(getattr(settings, "reasoning_parser", None), template)
         if constrained or choice.constrained:
             name = None

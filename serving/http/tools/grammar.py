@@ -76,7 +76,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: ToolChoice, pa
     if parser == "hermes":
         call = f'{_literal("<tool_call>", special)} "\\n" body "\\n" ' \
                f'{_literal("</tool_call>", special)}'
-        start = 'call ("\\n" call)*' if many else "call"
+        start = 'call ("\\n" call)* "\\n"?' if many else 'call "\\n"?'
         rules = [f"start: {start}", f"call: {call}"]
     elif parser == "llama3_json":
         rules = ['start: body ("; " body)*' if many else "start: body"]

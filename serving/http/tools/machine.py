@@ -68,6 +68,12 @@ class _Call:
         self.args_sent = 0
         self.staged: list[Delta] = []
         self.committed = False  # something of it has reached the client
+        self.args_text = ""  # its arguments text so far
+
+    @property
+    def signature(self) -> str:
+        """Name and arguments text so far: two calls are repeats when theirs are equal."""
+        return f"{self.name}\x00{self.args_text}"
 
 
 class ToolCallMachine:
@@ -79,6 +85,13 @@ class ToolCallMachine:
         max_calls: calls beyond this many are read and dropped (`parallel_tool_calls=false`
             is 1); None = no limit.
         new_id: makes tool call ids.
+        unique: a call that repeats an earlier call of the answer (the same name and the same
+            arguments text) is read and dropped. A stream holds a call's deltas back while
+            what it has read so far could still be such a repeat, and sends them as soon as
+            it differs.
+        forced: the output is a forced tool choice's (a grammar allowed nothing but calls): a
+            call or a marker the output cut short (`<tool_` at max_tokens) is dropped, never
+            content. (Otherwise every character that is no call reaches the content.)
     """
 
     markers: tuple[str, ...] = ()
@@ -88,10 +101,14 @@ class ToolCallMachine:
     args_optional = True  # a call without arguments gets "{}"
 
     def __init__(self, *, stream: bool, max_calls: int | None = None,
-                 new_id: Callable[[], str] = new_call_id):
+                 new_id: Callable[[], str] = new_call_id, unique: bool = False,
+                 forced: bool = False):
         self.stream = stream
         self.max_calls = max_calls
         self.new_id = new_id
+        self.unique = unique
+        self.forced = forced
+        self._seen: list[str] = []  # the signatures of the calls closed so far
         self.buf = ""
         self.final = False
         self.state = "text"
@@ -166,9 +183,12 @@ class ToolCallMachine:
             self.content(self.buf[:i])
             self.buf = self.buf[i:]
             return True
-        keep = 0 if self.final else partial_suffix(self.buf, marker)
-        self.content(self.buf[:len(self.buf) - keep])
-        self.buf = self.buf[len(self.buf) - keep:]
+        keep = partial_suffix(self.buf, marker)
+        cut = 0
+        if self.final:  # a marker cut short by the end of the output is no content
+            cut, keep = (keep if self.forced else 0), 0
+        self.content(self.buf[:len(self.buf) - keep - cut])
+        self.buf = self.buf[len(self.buf) - keep:] if keep else ""
         return False
 
     # ---- steps shared by the formats ---------------------------------------------------------
@@ -312,11 +332,18 @@ class ToolCallMachine:
             call.args_sent = len(text)
 
     def close_call(self) -> None:
-        """The open call is complete: its deltas are final."""
+        """The open call is complete: its deltas are final (a repeat, with `unique`, is
+        dropped)."""
         call = self.call
         assert call is not None
+        if self.unique and not call.hidden and not call.committed and (
+                call.signature in self._seen):
+            self.call, self.scanner = None, None
+            self._after_call = True
+            return
         if not call.hidden:
             self._out.extend(call.staged)
+            self._seen.append(call.signature)
         self.calls += 1
         self.call, self.scanner = None, None
         self._after_call = True
@@ -333,6 +360,8 @@ class ToolCallMachine:
             self._after_call = True
             return
         self._ws, self._after_call = call.saved
+        if self.forced and self.final:  # cut short by the end of a forced choice's output
+            return
         raw = "".join(call.raw)
         self.content(raw[:call.marker_len])
         self.buf = raw[call.marker_len:] + self.buf
@@ -342,11 +371,18 @@ class ToolCallMachine:
         assert call is not None
         if call.hidden:
             return
-        if self.stream:
-            call.committed = True
-            self._emit({"tool_calls": [delta]})
-        else:
+        call.args_text += delta["function"].get("arguments", "")
+        if not self.stream:
             call.staged.append({"tool_calls": [delta]})
+            return
+        if not call.committed and self.unique and any(
+                seen.startswith(call.signature) for seen in self._seen):
+            call.staged.append({"tool_calls": [delta]})  # held: it may be a repeat
+            return
+        call.committed = True
+        self._out.extend(call.staged)
+        call.staged = []
+        self._emit({"tool_calls": [delta]})
 
     # ---- output ----------------------------------------------------------------------------
     def _emit(self, delta: Delta) -> None:

@@ -93,6 +93,8 @@ class ToolParser:
 
     max_calls: at most this many calls are returned (1 under `parallel_tool_calls=false`).
     new_id: makes call ids (tests pass a deterministic one).
+    unique, forced: see `ToolCallMachine` (repeated calls dropped; the output of a forced
+        tool choice, where a call cut short is dropped rather than content).
     """
 
     name: ClassVar[str]
@@ -101,19 +103,25 @@ class ToolParser:
     machine: ClassVar[type[ToolCallMachine]]
 
     def __init__(self, max_calls: int | None = None,
-                 new_id: Callable[[], str] = new_call_id):
+                 new_id: Callable[[], str] = new_call_id, unique: bool = False,
+                 forced: bool = False):
         self.max_calls = max_calls
         self.new_id = new_id
+        self.unique = unique
+        self.forced = forced
+
+    def _machine(self, stream: bool) -> ToolCallMachine:
+        return self.machine(stream=stream, max_calls=self.max_calls, new_id=self.new_id,
+                            unique=self.unique, forced=self.forced)
 
     def parse(self, text: str) -> ParsedTools:
         """The complete output as content and tool calls (malformed calls are content)."""
-        m = self.machine(stream=False, max_calls=self.max_calls, new_id=self.new_id)
+        m = self._machine(stream=False)
         return assemble([*m.feed(text), *m.finish()])
 
     def stream(self) -> ToolCallStream:
         """A streaming parse of one answer."""
-        return ToolCallStream(self.machine(stream=True, max_calls=self.max_calls,
-                                           new_id=self.new_id))
+        return ToolCallStream(self._machine(stream=True))
 
 
 # ---- Hermes / Qwen ---------------------------------------------------------------------------

@@ -217,6 +217,40 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert calls(whole) == [("a", "{}")] and whole.content == "done"
 
 
+def _hermes(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cls, call", [
+    (HermesParser, _hermes),
+    (Llama3JsonParser, lambda n, a: f'{{"name": "{n}", "parameters": {a}}}'),
+])
+def test_unique_drops_repeated_calls_streamed_or_not(cls, call):
+    """A model that repeats a call (SmolLM2 under tool_choice "required"): with `unique`
+    each distinct call comes once, in order, numbered without gaps, streamed or not; a call
+    that only begins like an earlier one is sent whole."""
+    sep = "\n" if cls is HermesParser else "; "
+    text = sep.join([call("a", '{"x": 1}'), call("a", '{"x": 1}'), call("a", '{"x": 12}'),
+                     call("b", "{}"), call("a", '{"x": 1}')])
+    whole = check_stream_equals_parse(cls, text, unique=True)
+    assert calls(whole) == [("a", '{"x": 1}'), ("a", '{"x": 12}'), ("b", "{}")]
+    deltas = streamed(parser(cls, unique=True), list(text))
+    assert [d["tool_calls"][0]["index"] for d in deltas if "id" in d["tool_calls"][0]] == [
+        0, 1, 2]
+    assert len(parser(cls).parse(text).tool_calls) == 5  # without `unique`, all of them
+
+
+def test_a_forced_choice_cut_by_max_tokens_leaves_no_content():
+    """A forced tool choice's output cut short (max_tokens) inside the next marker or the
+    next call: the complete calls, and no content (the cut text is no answer)."""
+    first = _hermes("f", '{"a": 1}')
+    for cut in ("\n<tool_", "\n<tool_call>\n{\"name\": \"f\", \"argu", "\n<"):
+        text = first + cut
+        whole = check_stream_equals_parse(HermesParser, text, forced=True, unique=True)
+        assert calls(whole) == [("f", '{"a": 1}')] and whole.content is None, cut
+        assert parser(HermesParser).parse(text).content == cut.strip()  # auto: kept
+
+
 def test_ids_are_openai_style_and_distinct():
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call>' * 3
     got = HermesParser().parse(text)
