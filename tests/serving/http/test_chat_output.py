@@ -285,7 +285,7 @@ def test_adjust_params_sets_the_constraint_and_thinking_budget(tool_tokenizer):
     params = out.adjust_params(SamplingParams(), tool_tokenizer, tools, None)
     assert isinstance(params.constraint, Constraint) and params.constraint.kind == "grammar"
     (tc,) = tool_tokenizer.encode("<tool_call>", add_special_tokens=False)
-    assert params.constraint.value.startswith(f"start: call\ncall: <[{tc}]>")
+    assert params.constraint.value.startswith(f'start: call "\\n"?\ncall: <[{tc}]>')
     auto = ChatOutput.for_request(SETTINGS, HERMES_TEMPLATE, ToolChoice("auto"), False,
                                   "x: <think>")
     spec = auto.adjust_params(SamplingParams(), tool_tokenizer, tools, 5).thinking_budget
