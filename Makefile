@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 
-.PHONY: serve test lint pull bench clean
+.PHONY: serve test lint pull bench clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,16 @@ pull: $(VENV)/.installed
 serve: pull
 	$(BIN)/metrale serve --model default --port $(PORT)
 
-test: $(VENV)/.installed-test
+# The web page's tests drive Debian's chromium (playwright); installed here when missing and
+# this is root on Debian (CI), else those tests skip and say so.
+BROWSER := /usr/bin/chromium
+
+browser:
+	@test -x $(BROWSER) || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	   >/dev/null) || echo "make: could not install chromium: the web page tests will skip"
+
+test: $(VENV)/.installed-test browser
 	$(BIN)/metrale pull
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=10

@@ -226,7 +226,7 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         engine_options=options, api_key=args.api_key, api_keys_file=args.api_keys,
         protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
         dump_requests=args.dump_requests, dump_redact=args.dump_redact,
-        dump_file_bytes=int(args.dump_file_mb * 1024 * 1024),
+        dump_file_bytes=int(args.dump_file_mb * 1024 * 1024), webui=not args.no_webui,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
         max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
@@ -269,6 +269,8 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
                         metavar="ORIGIN",
                         help="browser pages of these origins may call the API (CORS; "
                              "https://app.example.com, or '*' for any); default none")
+    parser.add_argument("--no-webui", action="store_true",
+                        help="do not serve the web chat page at GET /")
     parser.add_argument("--dump-requests", default=None, metavar="DIR",
                         help="number every request (x-request-seq) and write one JSON line "
                              "per request into DIR (requests-<seq>.jsonl): tenant, route, "

@@ -5,7 +5,8 @@
 (serving/http/limits.py), and the end-of-request hooks. `install(app, state)` adds the hooks:
 
 - before each request: a `RequestContext` on `g.ctx` (serving/http/context.py); then, when
-  keys are configured, `Authorization: Bearer KEY` is checked on every route but /health,
+  keys are configured, `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) is
+  checked on every route but /health,
   /metrics (unless `--protect-metrics`) and preflight `OPTIONS` requests (browsers send no
   key): an unknown or disabled key is a 401 (`invalid_api_key`); the admin routes
   (`ADMIN_ROUTES`) need a key with `admin = true` (else 403); the key's concurrency, daily
@@ -220,8 +221,10 @@ def install(app: Quart, access: Access) -> None:
     @app.before_request
     async def _check_access() -> None:
         ctx = g.ctx
-        access.begin(ctx, request.method, request.path, request.headers.get("authorization",
-                                                                          ""))
+        authorization = request.headers.get("authorization", "")
+        if not authorization and request.headers.get("x-api-key"):  # Anthropic's header
+            authorization = "Bearer " + request.headers["x-api-key"]
+        access.begin(ctx, request.method, request.path, authorization)
 
     @app.after_request
     async def _rate_headers(response: Response) -> Response:

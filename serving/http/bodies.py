@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from quart import Response, g, request
+from quart import Response, g, has_request_context, request
 
 from metrale_jax.errors import InvalidParameterError, MetraleError
 from serving.http.context import current
@@ -26,9 +27,30 @@ def json_response(data: Any, status: int = 200,
                     content_type="application/json")
 
 
+ErrorShape = Callable[[MetraleError], dict[str, Any]]
+"""How an API writes an error body (OpenAI's is `MetraleError.to_openai`)."""
+
+_ERROR_SHAPES: dict[str, ErrorShape] = {}
+
+
+def register_error_shape(prefix: str, shape: ErrorShape) -> None:
+    """Errors of requests whose path starts with `prefix` get their body from `shape` (an API
+    with its own error shape, as Anthropic's `{"type": "error", "error": {...}}`)."""
+    _ERROR_SHAPES[prefix] = shape
+
+
+def error_shape(path: str) -> ErrorShape | None:
+    """The error shape registered for `path` (the longest prefix), or None (OpenAI's)."""
+    best = max((p for p in _ERROR_SHAPES if path.startswith(p)), key=len, default=None)
+    return _ERROR_SHAPES[best] if best is not None else None
+
+
 def error_response(e: MetraleError) -> Response:
-    """The OpenAI error body of `e`, with its status and headers (Retry-After, ...)."""
-    return json_response(e.to_openai(), e.status, error_headers(e))
+    """The error body of `e` in the shape of the API asked (OpenAI's unless a route group
+    registered another for the path), with its status and headers (Retry-After, ...)."""
+    shape = error_shape(request.path) if has_request_context() else None
+    body = shape(e) if shape is not None else e.to_openai()
+    return json_response(body, e.status, error_headers(e))
 
 
 async def read_body(model: type) -> Any:

@@ -34,6 +34,7 @@ class ServerSettings:
     dump_file_bytes: a dump file is rotated before it would pass this size.
     usage_retention: seconds of per-minute usage `GET /v1/metrale/usage?since=` can look
         back over (serving/http/usage.py).
+    webui: serve the web chat page at `GET /` (serving/http/routes/webui.py).
     max_body_bytes: request bodies above this get 413.
     request_timeout: default per-request deadline in seconds (None = none); a request's own
         `timeout` field overrides it.
@@ -80,6 +81,7 @@ class ServerSettings:
     dump_redact: bool = False
     dump_file_bytes: int = 64 * 1024 * 1024
     usage_retention: float = 7 * 86400.0
+    webui: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float | None = 600.0
     grace_period: float = 30.0

@@ -1,7 +1,8 @@
 """The API's routes, one module per API group, each with a `register(app, state)`: `openai`
 (chat/completions, completions, models), `tokenize` (/tokenize, /detokenize), `admin`
-(/health, /metrics, /v1/metrale/stats), `lora` (vLLM's runtime adapter loading). A new
-API (Responses, Anthropic Messages, the web page) is a new module here, added to `GROUPS`.
+(/health, /metrics, /v1/metrale/stats), `lora` (vLLM's runtime adapter loading),
+`openai_responses` (OpenAI's Responses API), `anthropic` (Anthropic's Messages API), `webui`
+(the web chat page). A new API is a new module here, added to `GROUPS`.
 Routes may import the rest of serving.http, never app.py (which imports them).
 """
 
@@ -9,10 +10,18 @@ from __future__ import annotations
 
 from quart import Quart
 
-from serving.http.routes import admin, lora, openai, tokenize
+from serving.http.routes import (
+    admin,
+    anthropic,
+    lora,
+    openai,
+    openai_responses,
+    tokenize,
+    webui,
+)
 from serving.http.state import ServerState
 
-GROUPS = (openai, tokenize, admin, lora)
+GROUPS = (openai, tokenize, admin, lora, openai_responses, anthropic, webui)
 
 
 def register_all(app: Quart, state: ServerState) -> None:
