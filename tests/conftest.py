@@ -99,8 +99,8 @@ def default_transformers(default_gguf):
 # (`pytestmark = pytest.mark.xdist_group("tiny-server")`), so their programs come from the
 # persistent cache the shared server filled; the default-model fidelity tests, which share
 # `default_llm` and `default_transformers`, form the "default-model" group the same way.
-SHARED_ENGINE_GROUPS = {"server": "tiny-server", "tiny_engine": "tiny-engine",
-                        "tiny_llm": "tiny-llm"}
+SHARED_ENGINE_GROUPS = {"server": "tiny-server", "tool_server": "tool-server",
+                        "tiny_engine": "tiny-engine", "tiny_llm": "tiny-llm"}
 
 
 def pytest_itemcollected(item) -> None:

@@ -236,6 +236,27 @@ def tool_model(tmp_path_factory) -> Path:
     return build_tool_checkpoint(tmp_path_factory.mktemp("tiny-tools"))
 
 
+TOOL_MODEL = "tiny-tools"
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_model):
+    """A server of the tool model (tool-call and think tags in its vocabulary and template),
+    shared by the session; the shared server's shapes, so its programs come from the
+    persistent compilation cache."""
+    from serving.http.server import ServerThread
+    from serving.http.settings import ServerSettings
+    settings = ServerSettings(
+        model=str(tool_model), served_model_name=TOOL_MODEL, port=0, max_slots=8,
+        max_len=MAX_LEN, engine_options={"max_prefill_len": 64}, request_timeout=120.0,
+        grace_period=5.0)
+    srv = ServerThread(settings).start()
+    assert srv.wait_ready(timeout=600), "the tool server did not become ready"
+    wait_healthy(srv.url)
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session")
 def tool_tokenizer(tool_model):
     from metrale_jax.text import load_tokenizer

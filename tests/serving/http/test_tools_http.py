@@ -14,9 +14,9 @@ import pytest
 
 from serving.http.reasoning import ReasoningParser
 from serving.http.tools.parsers import HermesParser
-from tests.serving.conftest import MAX_LEN, post, sse_events, wait_healthy
+from tests.serving.conftest import TOOL_MODEL, post, sse_events
 
-MODEL = "tiny-tools"
+MODEL = TOOL_MODEL
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 USER = [{"role": "user", "content": "weather?"}]
@@ -25,21 +25,6 @@ HISTORY = [*USER,
                {"id": "call_1", "type": "function",
                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-
-
-@pytest.fixture(scope="module")
-def tool_server(tool_model):
-    """The shared server's shapes (so its compiled programs come from the persistent cache)."""
-    from serving.http.server import ServerThread
-    from serving.http.settings import ServerSettings
-    settings = ServerSettings(
-        model=str(tool_model), served_model_name=MODEL, port=0, max_slots=8, max_len=MAX_LEN,
-        engine_options={"max_prefill_len": 64}, request_timeout=120.0, grace_period=5.0)
-    srv = ServerThread(settings).start()
-    assert srv.wait_ready(timeout=600), "the tool server did not become ready"
-    wait_healthy(srv.url)
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
