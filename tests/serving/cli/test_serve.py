@@ -45,7 +45,8 @@ def cli_server(keys_file):
     proc, url = start_cli_server("--max-slots", str(shapes["max_slots"]),
                                  "--max-len", str(shapes["max_len"]),
                                  "--max-prefill-len", str(shapes["max_prefill_len"]),
-                                 "--grace-period", "30", "--api-keys", str(keys_file))
+                                 "--grace-period", "30", "--api-keys", str(keys_file),
+                                 "--tool-call-parser", "hermes")
     yield proc, url
     stop_cli_server(proc)
 
@@ -80,6 +81,26 @@ def test_default_model_answers(cli_server, schemas):
     assert status == 200, body
     schemas.chat(body)
     assert body["choices"][0]["message"]["content"].strip()
+
+
+def test_a_required_tool_choice_ends_with_one_call(cli_server):
+    """SmolLM2 under tool_choice "required" writes the same call three times over (greedy):
+    the answer has it once, ends with "tool_calls", and has no content."""
+    _, url = cli_server
+    tools = [{"type": "function", "function": {
+        "name": "get_tide", "description": "Tide times for a harbour",
+        "parameters": {"type": "object", "properties": {"harbour": {"type": "string"}},
+                       "required": ["harbour"]}}}]
+    status, _, body = post(url, "/v1/chat/completions", {
+        "model": "default", "max_tokens": 120, "temperature": 0, "tools": tools,
+        "tool_choice": "required",
+        "messages": [{"role": "user", "content": "When is high tide in Brest today?"}]}, ONE)
+    assert status == 200, body
+    choice = body["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_tide"], calls
+    assert json.loads(calls[0]["function"]["arguments"])["harbour"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
 
 
 def test_sighup_reloads_the_keys_while_a_stream_goes_on(cli_server, keys_file):
