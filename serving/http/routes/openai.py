@@ -1,21 +1,15 @@
 """OpenAI's API: POST /v1/chat/completions, POST /v1/completions (streamed as SSE or whole)
 and GET /v1/models[/{id}]. The request work lives in serving/http/handlers.py; here: the
-routes, and the begin/end bookkeeping of a generation around its response: once its usage is
-known (the JSON answer built, or its client gone) it is settled against the key's limits
-(`Access.settle`); a stream's end (its last event sent, or its client gone) finishes its
-`RequestContext` (`Access.finish`), the app's teardown finishes the others. /v1/models
+routes; the bookkeeping around a generation's answer is serving/http/answers.py's. /v1/models
 lists only what the caller's key may use."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-
 from quart import Quart, Response, g
 
 from serving.http import handlers
+from serving.http.answers import stream_answer, whole_answer
 from serving.http.bodies import json_response, read_body
-from serving.http.context import current
 from serving.http.errors import NotFoundError
 from serving.http.protocol import ChatCompletionRequest, CompletionRequest
 from serving.http.state import ServerState
@@ -26,45 +20,14 @@ def register(app: Quart, state: ServerState) -> None:
 
     async def _generate(prep: handlers.Prepared, body, stream) -> Response:
         rt = state.runtime
-        ctx = current()
-        state.begin()
-        if ctx is not None:
-            ctx.outcome = lambda: handlers.outcome(prep)
         if prep.stream:
-            rid = g.request_id
+            return stream_answer(state, prep, g.request_id,
+                                 lambda done: stream(prep, rt, done))
 
-            def on_error(e) -> None:  # an error sent as a stream event
-                state.errors.record(e.status, e.error_type, e.message, rid)
-                if ctx is not None:
-                    ctx.error = {"type": e.error_type, "code": e.code, "message": e.message}
-
-            prep.on_error = on_error
-            if ctx is not None:
-                ctx.deferred = True  # the stream's end finishes it, not the handler's
-                ctx.stream = True
-
-            def end() -> None:
-                state.end()
-                if ctx is not None:
-                    ctx.stream_done = prep.sent_done
-                    state.access.finish(ctx)
-
-            done = _once(end)
-            # The task that sends the body also ran this handler: if the client leaves before
-            # the body starts, the generator never runs, so its end is tied to the task too.
-            task = asyncio.current_task()
-            if task is not None:
-                task.add_done_callback(lambda _: (prep.gen.cancel(), done()))
-            return Response(stream(prep, rt, done), content_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache"})
-        try:
+        async def produce() -> Response:
             await handlers.collect(prep)
             return json_response(body(prep, rt))
-        finally:
-            prep.gen.observe_end()
-            state.end()
-            if ctx is not None:  # before the answer's x-ratelimit headers are written
-                state.access.settle(ctx)
+        return await whole_answer(state, prep, produce)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -97,14 +60,3 @@ def register(app: Quart, state: ServerState) -> None:
                                 param="model")
         return json_response(cards_by_id[model_id])
 
-
-def _once(fn: Callable[[], None]) -> Callable[[], None]:
-    """`fn`, callable many times, run only the first."""
-    called = False
-
-    def run() -> None:
-        nonlocal called
-        if not called:
-            called = True
-            fn()
-    return run
