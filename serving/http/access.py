@@ -73,7 +73,10 @@ class Access:
         self.limiter = Limiter()
         # Called once per request with its finished `RequestContext` (usage known).
         self.end_hooks: list[Callable[[RequestContext], None]] = []
-        self.open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
+        self.open_paths = ({"/health"} | (set() if settings.protect_metrics else {"/metrics"})
+                           | ({"/"} if settings.webui else set()))
+        # The web page's assets (serving/http/routes/webui.py): the page asks for the key.
+        self.open_prefixes = ("/webui/",) if settings.webui else ()
 
     @property
     def enabled(self) -> bool:
@@ -115,7 +118,8 @@ class Access:
     # ---- the request's life ------------------------------------------------------------
     def begin(self, ctx: RequestContext, method: str, path: str, authorization: str) -> None:
         """Checks a request's key, rights and limits (raises 401, 403 or 429)."""
-        if self.keys is None or method == "OPTIONS" or path in self.open_paths:
+        if (self.keys is None or method == "OPTIONS" or path in self.open_paths
+                or path.startswith(self.open_prefixes)):
             return
         key = self.identify(authorization)
         ctx.key = key

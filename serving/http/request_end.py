@@ -10,8 +10,8 @@ per request with its finished `RequestContext`, serving/http/context.py):
 - one INFO log line per request (logger `metrale.requests`): its number or id, method, route,
   status, tenant (never a key), tokens and seconds.
 
-/health and /metrics (`PROBE_PATHS`) are none of these: load balancers and scrapers call them
-every few seconds.
+/health and /metrics (`PROBE_PATHS`) are none of these (load balancers and scrapers call them
+every few seconds), nor the web page and its assets (`/`, `/webui/...`).
 """
 
 from __future__ import annotations
@@ -25,16 +25,19 @@ from serving.http.dumps import DumpEntry, RequestDumper, dump_entry
 
 log = logging.getLogger("metrale.requests")
 
-PROBE_PATHS = frozenset({"/health", "/metrics"})
-"""Routes that are not numbered, dumped, counted per tenant nor logged."""
+PROBE_PATHS = frozenset({"/health", "/metrics", "/"})
+"""Routes that are not numbered, dumped, counted per tenant nor logged (with the web page's
+assets, under `PAGE_PREFIX`)."""
+
+PAGE_PREFIX = "/webui/"
 
 CLIENT_LEFT = 499
 """The status a dump records for a request whose client left before any answer (nginx's)."""
 
 
 def is_probe(path: str) -> bool:
-    """Whether `path` is a health or metrics probe."""
-    return path in PROBE_PATHS
+    """Whether `path` is a health or metrics probe, or the web page (no API request)."""
+    return path in PROBE_PATHS or path.startswith(PAGE_PREFIX)
 
 
 def _seconds(value: float | None) -> float | None:
