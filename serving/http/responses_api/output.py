@@ -8,6 +8,11 @@
 closes (its `.done` events, then `response.output_item.done`) when the next one opens or at
 `finish`. `items` is the `output` array so far. A non-streamed answer feeds every delta and
 keeps only `items`, so both answers are the same.
+
+With `summary` (the request's `reasoning.summary`: "auto", "concise" or "detailed"), a
+reasoning item closes with its thinking also as its one `summary_text` part (this server has
+no separate summarizer: the thinking is the summary), sent as the
+`response.reasoning_summary_part.*` and `response.reasoning_summary_text.*` events.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ def new_id(prefix: str) -> str:
 class OutputBuilder:
     """The output items of one answer, built from chat deltas (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, summary: bool = False) -> None:
+        self.summary = summary
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written
         self._call_index: int | None = None  # chat's tool-call index of an open call
@@ -139,8 +145,11 @@ class OutputBuilder:
             out.append({"type": "response.content_part.done", **where, "content_index": 0,
                         "part": dict(part)})
         elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
             out.append({"type": "response.reasoning_text.done", **where, "content_index": 0,
-                        "text": item["content"][0]["text"]})
+                        "text": text})
+            if self.summary:
+                out += self._summary(item, text, where)
         else:
             out.append({"type": "response.function_call_arguments.done", **where,
                         "name": item["name"], "arguments": item["arguments"]})
@@ -149,6 +158,19 @@ class OutputBuilder:
                     "item": _copy(item)})
         self._open, self._call_index = None, None
         return out
+
+
+    @staticmethod
+    def _summary(item: dict[str, Any], text: str, where: dict[str, Any]) -> list[Event]:
+        """The events of a reasoning item's summary part (its whole thinking)."""
+        part = {"type": "summary_text", "text": text}
+        item["summary"] = [dict(part)]
+        at = {**where, "summary_index": 0}
+        return [{"type": "response.reasoning_summary_part.added", **at,
+                 "part": {"type": "summary_text", "text": ""}},
+                {"type": "response.reasoning_summary_text.delta", **at, "delta": text},
+                {"type": "response.reasoning_summary_text.done", **at, "text": text},
+                {"type": "response.reasoning_summary_part.done", **at, "part": dict(part)}]
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

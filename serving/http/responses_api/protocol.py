@@ -130,6 +130,11 @@ class CreateResponseRequest(_Body):
 
     def thinking(self) -> bool | None:
         """Thinking on or off from `reasoning.effort` (None: the template's default)."""
+        summary = (self.reasoning or {}).get("summary")
+        if summary not in (None, "auto", "concise", "detailed"):
+            raise InvalidParameterError(
+                f"reasoning.summary must be 'auto', 'concise' or 'detailed', not {summary!r}",
+                param="reasoning.summary")
         effort = (self.reasoning or {}).get("effort")
         if effort is None:
             return None

@@ -38,7 +38,8 @@ class Answer:
     def __init__(self, prep: Prepared, env: Envelope, count_tokens: Callable[[str], int]):
         self.prep = prep
         self.env = env
-        self.builder = OutputBuilder()
+        summary = (env.req.reasoning or {}).get("summary")
+        self.builder = OutputBuilder(summary=summary in ("auto", "concise", "detailed"))
         self.status = "in_progress"
         self._count = count_tokens
         self._stream = prep.output.stream() if prep.output is not None else None

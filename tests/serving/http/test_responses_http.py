@@ -302,6 +302,16 @@ def test_reasoning_items(tool_url, rschemas):
                     reasoning={"effort": "high"}, max_output_tokens=16)
     assert any(e["type"] == "response.reasoning_text.delta" for e in events)
     assert strip_ids(replay(events)) == strip_ids(body["output"])
+    # reasoning.summary: the thinking is also the item's summary (no separate summarizer)
+    ask = dict(model=TOOL_MODEL, input="weather?", max_output_tokens=16,
+               reasoning={"effort": "high", "summary": "auto"})
+    summed = respond(tool_url, rschemas, **ask)["output"][0]
+    assert summed["summary"] == [{"type": "summary_text",
+                                  "text": message["reasoning_content"]}]
+    events = stream(tool_url, rschemas, **ask)
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta"]
+    assert "".join(deltas) == message["reasoning_content"]
+    assert strip_ids(replay(events))[0]["summary"] == summed["summary"]
 
 
 def test_store_keeps_the_latest_per_owner():
@@ -326,6 +336,7 @@ def test_store_keeps_the_latest_per_owner():
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
     ({"background": True}, "background"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"role": "user", "content": [
