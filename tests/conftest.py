@@ -98,7 +98,9 @@ def default_transformers(default_gguf):
 # tests that build their own server on the shared server's shapes join its group
 # (`pytestmark = pytest.mark.xdist_group("tiny-server")`), so their programs come from the
 # persistent cache the shared server filled; the default-model fidelity tests, which share
-# `default_llm` and `default_transformers`, form the "default-model" group the same way.
+# `default_llm` and `default_transformers`, form the "default-model" group the same way, with
+# the other users of the default model on the same shapes (the quickstart notebook and the
+# `metrale serve` subprocess): one worker compiles each of its programs once, in sequence.
 SHARED_ENGINE_GROUPS = {"server": "tiny-server", "tool_server": "tool-server",
                         "tiny_engine": "tiny-engine", "tiny_llm": "tiny-llm"}
 

@@ -8,6 +8,11 @@ import pytest
 
 from tests.notebooks.runner import read_notebook, run_notebook
 
+# The quickstart runs the default model on the default_llm fixture's shapes: in the
+# "default-model" group (tests/conftest.py) its programs come from the persistent cache that
+# group's other tests fill, rather than being compiled in two processes at once.
+pytestmark = pytest.mark.xdist_group("default-model")
+
 
 @pytest.mark.parametrize("name", ["quickstart.ipynb", "sharding.ipynb"])
 def test_notebook_is_stored_without_outputs(name):

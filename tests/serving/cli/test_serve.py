@@ -22,7 +22,10 @@ from tests.serving.conftest import (
     wait_healthy,
 )
 
-pytestmark = pytest.mark.default_model
+# The "default-model" group (tests/conftest.py): this server compiles the default model on the
+# default_llm fixture's shapes, so, on the same worker after those tests, most of its
+# programs come from the persistent cache instead of being compiled twice at once.
+pytestmark = [pytest.mark.default_model, pytest.mark.xdist_group("default-model")]
 
 
 KEYS = '[[keys]]\nkey = "{key}"\ntenant = "t"\n'
