@@ -19,6 +19,8 @@ from metrale_jax.vision_config import VisionConfig
 Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "m2m_100"]
 ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
                                   "m2m_100")
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int8-all")
+"""Weight quantization modes (`ModelConfig.quantization`; see `models/quant.py`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,11 @@ class ModelConfig:
             K = H, the decoder FFN as `intermediate_size`). None for decoder-only models.
         vision: for a vision-language model (LLaVA), its vision encoder's
             `VisionConfig`; the other fields describe the text model. None for text only.
+
+    Storage:
+        quantization: None (float weights), "int8" (the linear layers' weights int8 with
+            per-output-channel scales) or "int8-all" (the embedding and LM head too); see
+            `models/quant.py`. Decoder-only models.
     """
 
     architecture: Architecture
@@ -90,6 +97,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     encoder_decoder: M2M100Config | None = None
     vision: VisionConfig | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -104,6 +112,13 @@ class ModelConfig:
                 f"num_kv_heads={self.num_kv_heads}")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise CheckpointError("model config: sliding_layers must have one entry per layer")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise CheckpointError(f"model config: quantization must be one of {QUANTIZATIONS} "
+                                  f"or None, not {self.quantization!r}")
+        if self.quantization and self.encoder_decoder is not None:
+            raise InvalidParameterError("int8 quantization is for decoder-only models; this "
+                                        "is an encoder-decoder (translation) model",
+                                        param="quantization")
 
     @classmethod
     def for_m2m100(cls, m2m: M2M100Config) -> ModelConfig:

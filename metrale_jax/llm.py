@@ -70,7 +70,9 @@ class LLM:
             from these domains (and their subdomains); none = data: URLs and PIL images only.
         image_limits: a `vision.media.ImageLimits` for the bytes, pixels, fetch time and
             redirects of each image (its max_images is the engine's `max_images`).
-        Further keyword arguments go to `EngineConfig`.
+        Further keyword arguments go to `EngineConfig`; e.g. `quantization="int8"`: int8
+            weights with per-output-channel scales, quantized while loading
+            (`models/quant.py`).
 
     The mesh and memory plan are decided while the checkpoint loads, before any weight is
     read: an impossible configuration raises `MemoryPlanError` here, and an orbax
@@ -91,7 +93,9 @@ class LLM:
         self._placement = PlacementHook(EngineConfig(
             max_slots=max_slots, max_len=max_len, mesh=mesh, memory_gb=memory_gb,
             **engine_options))
-        self.checkpoint: Checkpoint = load_checkpoint(model, dtype, shardings=self._placement)
+        self.checkpoint: Checkpoint = load_checkpoint(
+            model, dtype, shardings=self._placement,
+            quantization=engine_options.get("quantization"))
         self._template = None
         self._scheduler = None
         self._warmup = warmup

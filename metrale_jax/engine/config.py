@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 
-from metrale_jax.config import DTYPES
+from metrale_jax.config import DTYPES, QUANTIZATIONS
 from metrale_jax.engine.sharding import check_mesh_shape, parse_mesh
 from metrale_jax.errors import InvalidParameterError
 
@@ -49,6 +49,9 @@ class EngineConfig:
         plan, or enough for every slot to hold max_len when the memory is unknown).
     decode_steps: k, decode steps per compiled `generate` call (k > 1: multi-step decode).
     dtype: params and activations; cache_dtype: the KV cache (None = `dtype`).
+    quantization: None, "int8" or "int8-all": int8 weights with per-output-channel scales
+        (`models/quant.py`; the loaders quantize while loading, the engine quantizes a float
+        model it is given). A model already quantized keeps its own.
     compilation_cache_dir: JAX's persistent compilation cache folder (None = off); defaults to
         $METRALE_JAX_CACHE or ~/.cache/metrale/jax.
     num_top_logprobs: N, the top log-probabilities returned for every sampled token.
@@ -79,6 +82,10 @@ class EngineConfig:
     max_images: for a vision-language model, the images whose features the device holds at
         once (the images of the prompts being prefilled; a request may send at most this
         many). The vision program runs over `image_buckets` images at a time.
+    speculative_tokens: k, the most draft tokens a row verifies in one step (speculative
+        decoding with prompt lookup, engine/speculative.py: one verify program per mixed
+        row bucket, each row feeding k + 1 tokens); also the requests' default (0 = off:
+        no verify programs). Decoder-only models.
     """
 
     max_slots: int | None = 8
@@ -90,6 +97,7 @@ class EngineConfig:
     decode_steps: int = 1
     dtype: str = "float32"
     cache_dtype: str | None = None
+    quantization: str | None = None
     compilation_cache_dir: str | None = dataclasses.field(default_factory=_default_cache_dir)
     num_top_logprobs: int = 20
     logprobs_mode: str = "raw"
@@ -104,6 +112,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_source_len: int = 512
     max_images: int = 8
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -128,6 +137,9 @@ class EngineConfig:
             raise bad("memory_gb", "must be a positive number of GiB")
         if not isinstance(self.prefix_cache, bool):
             raise bad("prefix_cache", "must be True or False")
+        if (not isinstance(self.speculative_tokens, int) or isinstance(
+                self.speculative_tokens, bool) or not 0 <= self.speculative_tokens <= 32):
+            raise bad("speculative_tokens", "must be an integer in [0, 32] (0 = off)")
         if (isinstance(self.prefix_cache_share, bool)
                 or not isinstance(self.prefix_cache_share, int | float)
                 or not 0.0 <= self.prefix_cache_share <= 1.0):
@@ -146,6 +158,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "must be an integer >= 0")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise bad("quantization", f"must be one of {QUANTIZATIONS} or None")
         if self.page_size is None:
             object.__setattr__(self, "page_size", DEFAULT_PAGE_SIZE)
         if (not isinstance(self.page_size, int) or isinstance(self.page_size, bool)

@@ -9,6 +9,8 @@ Compiled programs (each compiled once, ahead of time, and kept in `self._compile
   decode rows 0 .. n-1 each decode a token and a chunk of C prompt tokens (pieces of any
   prompts, C a chunk bucket) is prefilled along, the prompts that end in it sampling their
   first tokens; without a chunk (C = 0) `decode_steps` decode steps run in one call;
+- `verify` per mixed row bucket n, with `speculative_tokens` > 0 only: speculative decoding's
+  verify step (`engine/speculative.py`: each row's last token and its drafts in one forward);
 - `init`: an empty `DecodeState`;
 - `seed`: a row's token history set to a prefix shared from the prefix cache
   (`steps.seed_history`).
@@ -46,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine import compilation_cache, steps
+from metrale_jax.engine import compilation_cache, speculative, steps
 from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.images import ImagePool, PromptImage
@@ -117,7 +119,14 @@ class Engine:
         self.mesh = placement.make_mesh()
         dtype = jnp.dtype(cfg.dtype)
         self.cache_dtype = jnp.dtype(cfg.resolved_cache_dtype)
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        if cfg.quantization and model_config.quantization is None:  # a float model given
+            from metrale_jax.models.quant import quantize_state
+            model_config, graphdef, params = quantize_state(model_config, params,
+                                                            cfg.quantization)
+            self.model_config = model_config
+        # int8 weights (models/quant.py) keep their dtype; floats take the compute dtype.
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype) if jnp.issubdtype(
+            x.dtype, jnp.floating) else jnp.asarray(x), params)
         # Per-layer params (models.unrolled): the stacked copy is dropped once split. An
         # encoder-decoder splits its decoder the same way (models/seq2seq_ragged.py).
         self.encoder_decoder = model_config.is_encoder_decoder
@@ -125,6 +134,9 @@ class Engine:
             raise InvalidParameterError("LoRA adapters are for decoder-only models; this is "
                                         "an encoder-decoder (translation) model",
                                         param="max_loras")
+        if self.encoder_decoder and cfg.speculative_tokens:
+            raise InvalidParameterError("speculative decoding is for decoder-only models",
+                                        param="speculative_tokens")
         # A vision-language model: its vision encoder (replicated) and the image pool.
         self.vision = model_config.vision
         if (self.vision is None) != (vision is None):
@@ -434,6 +446,56 @@ class Engine:
                                 _spec((B, cfg.pages_per_seq), i32), _spec((B,), jnp.bool_),
                                 self._mask_spec(B), chunk_spec, lora_spec, rows_spec)
 
+    def _verify_exe(self, n: int):
+        """The verify step of rows 0 .. n-1 with `speculative_tokens` drafts each."""
+        cfg, i32 = self.config, jnp.int32
+        B, k = cfg.max_slots, cfg.speculative_tokens
+        fn = jax.jit(functools.partial(speculative.verify_step, self.graph, self._sc,
+                                       speculative.VerifyShape(n, k)),
+                     donate_argnums=(1,),
+                     out_shardings=(self.shardings.state, self.shardings.replicated,
+                                    self.shardings.replicated))
+        lora_spec = rows_spec = None
+        if self.lora is not None:
+            lora_spec, rows_spec = _abstract(self.lora), _spec(self.lora_mix.shape, jnp.float32)
+        return self._executable(("verify", n, k), fn, self._params_spec, self._state_spec,
+                                _spec((B, cfg.pages_per_seq), i32), _spec((B,), jnp.bool_),
+                                self._mask_spec(B), _spec((n, k), i32), _spec((n,), i32),
+                                lora_spec, rows_spec)
+
+    def verify(self, state: DecodeState, active: np.ndarray, allowed: np.ndarray | None,
+               drafts: Sequence[Sequence[int]]
+               ) -> tuple[DecodeState, StepOutput, np.ndarray]:
+        """One verify step (speculative decoding, `engine/speculative.py`; state donated):
+        every active row feeds its last token plus its drafts (`drafts[slot]`, B lists, at most
+        `speculative_tokens`; a row without drafts decodes one token) and advances by the
+        tokens it emits. Pages are allocated for every position written (`OutOfPagesError`).
+        Waits for the step: returns the state, StepOutput `[k + 1, B]` and emitted `[B]`
+        (NumPy: row b's first emitted[b] tokens of column b are its new tokens)."""
+        cfg, B, k = self.config, self.config.max_slots, self.config.speculative_tokens
+        if not k:
+            raise InvalidParameterError("this engine has no verify step (speculative_tokens=0)",
+                                        param="speculative_tokens")
+        active = np.asarray(active, np.bool_)
+        used = np.flatnonzero(active)
+        top = int(used[-1]) + 1 if used.size else 1
+        n = next(r for r in cfg.mixed_row_buckets if top <= r)
+        table = np.zeros((n, k), np.int32)
+        lens = np.zeros(n, np.int32)
+        cap = self.pages.pages_per_seq * cfg.page_size
+        for b in used:
+            d = [int(t) for t in drafts[b]][:k]
+            d = d[:max(0, cap - 1 - int(self.lengths[b]))]
+            table[b, :len(d)] = d
+            lens[b] = len(d)
+            self._ensure(int(b), int(self.lengths[b]) + 1 + len(d))
+        state, out, emitted = self._verify_exe(n)(
+            self.params, state, self.pages.table.copy(), active, self._allowed(B, allowed),
+            table, lens, *self._lora_args())
+        emitted = np.asarray(emitted)
+        self.lengths[used] = np.minimum(self.lengths[used] + emitted[used], cap)
+        return state, out, emitted
+
     def program_grid(self) -> list[tuple[int, int, int]]:
         """The (n, chunk, k) shapes warmup compiles: decode-only steps for every active-slot
         bucket, and steps with a chunk for every chunk bucket and mixed row bucket."""
@@ -460,6 +522,9 @@ class Engine:
             jobs += [functools.partial(self._encode_exe, S) for S in self.config.source_buckets]
             jobs.append(self._copy_sources_exe)
         jobs += [functools.partial(self._step_exe, *shape) for shape in self.program_grid()]
+        if self.config.speculative_tokens:
+            jobs += [functools.partial(self._verify_exe, n)
+                     for n in self.config.mixed_row_buckets]
         with ThreadPoolExecutor(max(1, workers)) as pool:
             futures = [pool.submit(job) for job in jobs]
             for done, f in enumerate(as_completed(futures), 1):

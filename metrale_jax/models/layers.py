@@ -19,10 +19,40 @@ import numpy as np
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, RopeScaling
+from metrale_jax.models.quant import (
+    ATTENTION_LINEAR,
+    MLP_LINEAR,
+    SCALE_SUFFIX,
+    qeinsum,
+    qmatmul,
+    quantize,
+    scale_axes,
+)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
+
+
+def init_linear(module: nnx.Module, name: str, rngs: nnx.Rngs, shape: tuple[int, ...],
+                n_in: int, dtype: jnp.dtype, quantized: bool) -> None:
+    """Sets `module.<name>`, a random linear weight of `shape` (its first `n_in` axes the
+    input ones); `quantized`: int8 with its float32 scale `module.<name>_scale` (shape: the
+    output axes), see `models/quant.py`."""
+    w = _normal(rngs, shape, dtype)
+    if not quantized:
+        setattr(module, name, w)
+        return
+    q, scale = quantize(w[...], tuple(range(n_in)))
+    setattr(module, name, nnx.Param(q))
+    setattr(module, name + SCALE_SUFFIX, nnx.Param(scale))
+
+
+def linear_weight(module: nnx.Module, name: str) -> tuple[jax.Array, jax.Array | None]:
+    """`(weight, scale)` of linear weight `name` of `module`: scale None for a float weight,
+    the per-output-channel scale of an int8 one."""
+    scale = getattr(module, name + SCALE_SUFFIX, None)
+    return getattr(module, name)[...], None if scale is None else scale[...]
 
 
 class RMSNorm(nnx.Module):
@@ -71,12 +101,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool) -> jax.A
 
 
 def embed_tokens(cfg: ModelConfig, embed: jax.Array, tokens: jax.Array,
-                 images: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                 images: tuple[jax.Array, jax.Array] | None = None,
+                 scale: jax.Array | None = None) -> jax.Array:
     """Token embeddings `[..., E]` of `tokens` from `embed: [V, E]` (scaled by sqrt(E) for
     Gemma). images: `(rows [...] int32, pool [P, E])`: a token whose row is >= 0 takes that
     row of the image feature pool instead (before Gemma's scaling, as transformers' LLaVA
-    splices image features into the inputs embeddings)."""
+    splices image features into the inputs embeddings). scale: `[V]`, the row scales of an
+    int8 `embed` (the result then has the scale's dtype)."""
     x = embed[tokens]
+    if scale is not None:
+        x = x.astype(scale.dtype) * scale[tokens][..., None]
     if images is not None:
         rows, pool = images
         picked = pool[jnp.clip(rows, 0, pool.shape[0] - 1)].astype(x.dtype)
@@ -87,11 +121,15 @@ def embed_tokens(cfg: ModelConfig, embed: jax.Array, tokens: jax.Array,
 
 
 def lm_logits(cfg: ModelConfig, x: jax.Array, embed: jax.Array,
-              lm_head: jax.Array | None) -> jax.Array:
+              lm_head: jax.Array | None, embed_scale: jax.Array | None = None,
+              head_scale: jax.Array | None = None) -> jax.Array:
     """Normalised hidden states `x: [..., E]` -> logits `[..., V] float32`: the LM head
-    (`lm_head: [E, V]`, or the tied `embed: [V, E]`) and the final soft-cap."""
-    tied = cfg.tie_word_embeddings
-    logits = jnp.einsum("...e,ve->...v", x, embed) if tied else x @ lm_head
+    (`lm_head: [E, V]`, or the tied `embed: [V, E]`) and the final soft-cap. embed_scale,
+    head_scale: `[V]`, the scales of an int8 embed / lm_head (None: float)."""
+    if cfg.tie_word_embeddings:
+        logits = qeinsum("...e,ve->...v", x, embed, embed_scale)
+    else:
+        logits = qmatmul(x, lm_head, head_scale)
     logits = logits.astype(jnp.float32)
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
@@ -145,23 +183,27 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         E, F = cfg.hidden_size, cfg.intermediate_size
-        self.gate = _normal(rngs, (E, F), dtype)
-        self.up = _normal(rngs, (E, F), dtype)
-        self.down = _normal(rngs, (F, E), dtype)
+        quantized = cfg.quantization is not None
+        for name, shape in (("gate", (E, F)), ("up", (E, F)), ("down", (F, E))):
+            init_linear(self, name, rngs, shape, MLP_LINEAR[name], dtype, quantized)
         self.act = cfg.hidden_act
 
     def __call__(self, x: jax.Array, lora: LoraDelta | None = None) -> jax.Array:
-        """lora: adds each projection's per-token adapter update (see `LoraDelta`)."""
-        gate, up = x @ self.gate[...], x @ self.up[...]
+        """lora: adds each projection's per-token adapter update (see `LoraDelta`). Int8
+        weights (`models/quant.py`) are scaled per output channel after each product."""
+        gate = qmatmul(x, *linear_weight(self, "gate"))
+        up = qmatmul(x, *linear_weight(self, "up"))
         if lora is not None:
             gate, up = gate + lora("gate_proj", x), up + lora("up_proj", x)
         gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
         h = gate * up
-        out = h @ self.down[...]
+        out = qmatmul(h, *linear_weight(self, "down"))
         return out if lora is None else out + lora("down_proj", h)
 
 
-MLP_AXES: AxesTable = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
+# With the scales of int8 weights: each takes its weight's output axes (gate_scale ("mlp",)).
+MLP_AXES: AxesTable = scale_axes(
+    {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}, MLP_LINEAR)
 
 
 class Attention(nnx.Module):
@@ -177,10 +219,10 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        self.q_proj = _normal(rngs, (E, H, D), dtype)
-        self.k_proj = _normal(rngs, (E, K, D), dtype)
-        self.v_proj = _normal(rngs, (E, K, D), dtype)
-        self.o_proj = _normal(rngs, (H, D, E), dtype)
+        quantized = cfg.quantization is not None
+        for name, shape in (("q_proj", (E, H, D)), ("k_proj", (E, K, D)),
+                            ("v_proj", (E, K, D)), ("o_proj", (H, D, E))):
+            init_linear(self, name, rngs, shape, ATTENTION_LINEAR[name], dtype, quantized)
         if cfg.attention_bias:
             self.q_bias = nnx.Param(jnp.zeros((H, D), dtype))
             self.k_bias = nnx.Param(jnp.zeros((K, D), dtype))
@@ -193,9 +235,9 @@ class Attention(nnx.Module):
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, K, D], RoPE applied to q and k;
         lora: adds the per-token adapter updates of q, k and v (see `LoraDelta`)."""
         cfg = self.cfg
-        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
-        k = jnp.einsum("bte,ekd->btkd", x, self.k_proj[...])
-        v = jnp.einsum("bte,ekd->btkd", x, self.v_proj[...])
+        q = qeinsum("bte,ehd->bthd", x, *linear_weight(self, "q_proj"))
+        k = qeinsum("bte,ekd->btkd", x, *linear_weight(self, "k_proj"))
+        v = qeinsum("bte,ekd->btkd", x, *linear_weight(self, "v_proj"))
         if lora is not None:
             q = q + lora("q_proj", x).reshape(q.shape)
             k = k + lora("k_proj", x).reshape(k.shape)
@@ -242,7 +284,7 @@ class Attention(nnx.Module):
         if cache_k is not None:
             out += jnp.einsum("bkgts,bksd->btkgd", p[..., :-T], cache_v)
         out = out.reshape(B, T, cfg.num_heads, cfg.head_dim)
-        y = jnp.einsum("bthd,hde->bte", out, self.o_proj[...])
+        y = qeinsum("bthd,hde->bte", out, *linear_weight(self, "o_proj"))
         return y, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def decode(self, x: jax.Array, positions: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
@@ -305,11 +347,17 @@ class Attention(nnx.Module):
         out = jax.lax.switch(length_index, [attend(length) for length in lengths], qg,
                              cache_kt, cache_v, positions)
         out = out.astype(x.dtype).reshape(n, 1, cfg.num_heads * D)
-        y = out @ self.o_proj[...].reshape(cfg.num_heads * D, -1)
-        return y, cache_kt, cache_v
+        return self.project_out(out), cache_kt, cache_v
+
+    def project_out(self, out: jax.Array) -> jax.Array:
+        """Attention output `[..., H * D]` (heads flattened) -> `[..., E]` through o_proj,
+        as one `[H*D, E]` matmul: an einsum over (h, d) makes XLA:CPU transpose o_proj every
+        step."""
+        o_proj, scale = linear_weight(self, "o_proj")
+        return qmatmul(out, o_proj.reshape(-1, o_proj.shape[-1]), scale)
 
 
-ATTENTION_AXES: AxesTable = {
+ATTENTION_AXES: AxesTable = scale_axes({
     "q_proj": ("embed", "heads", "head_dim"),      # [E, H, D]
     "k_proj": ("embed", "kv_heads", "head_dim"),   # [E, K, D]
     "v_proj": ("embed", "kv_heads", "head_dim"),   # [E, K, D]
@@ -319,4 +367,4 @@ ATTENTION_AXES: AxesTable = {
     "v_bias": ("kv_heads", "head_dim"),            # [K, D]
     "q_norm": HEAD_NORM_AXES,
     "k_norm": HEAD_NORM_AXES,
-}
+}, ATTENTION_LINEAR)  # with the scales of int8 weights (q_proj_scale ("heads", "head_dim"))

@@ -170,10 +170,9 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora
             parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows,
                                          positions[n:], pool, layout.page_table, **opts))
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-    # [T, H*D] @ [H*D, E]: an einsum over (h, d) makes XLA:CPU transpose o_proj every step.
     T, H, D = out.shape
     flat = out.astype(x.dtype).reshape(T, H * D)
-    y = flat @ attn.o_proj[...].reshape(H * D, -1)
+    y = attn.project_out(flat)  # [T, H*D] @ [H*D, E] (int8 weights: scaled per channel)
     if delta is not None:
         y = y + delta("o_proj", flat)
     return block._rest(x, y, delta), pool

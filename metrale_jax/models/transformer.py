@@ -25,9 +25,12 @@ from metrale_jax.models.layers import (
     AxesTable,
     RMSNorm,
     embed_tokens,
+    init_linear,
+    linear_weight,
     lm_logits,
     stacked_axes,
 )
+from metrale_jax.models.quant import quantizes_embeddings
 
 
 class Block(nnx.Module):
@@ -91,9 +94,13 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Param(
-            0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))
-            .astype(dtype))
+        # int8 embeddings ("int8-all"): per-row scales `embed_scale [V]`, as the head's.
+        quant_embed = quantizes_embeddings(cfg.quantization)
+        init_linear(self, "embed", rngs, (cfg.vocab_size, cfg.hidden_size), 0, dtype, False)
+        if quant_embed:
+            from metrale_jax.models.quant import quantize
+            q, scale = quantize(self.embed[...], (1,))
+            self.embed, self.embed_scale = nnx.Param(q), nnx.Param(scale)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -103,14 +110,13 @@ class Transformer(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(
-                0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size))
-                .astype(dtype))
+            init_linear(self, "lm_head", rngs, (cfg.hidden_size, cfg.vocab_size), 1, dtype,
+                        quant_embed)
 
     def __call__(self, tokens, positions, cache: KVCache | None = None, logits_index=None):
         cfg = self.cfg
-        embed = self.embed[...]
-        x = embed_tokens(cfg, embed, tokens)
+        embed, embed_scale = linear_weight(self, "embed")
+        x = embed_tokens(cfg, embed, tokens, scale=embed_scale)
         sliding = jnp.asarray(cfg.layer_is_sliding)
         block_def, block_state = nnx.split(self.blocks)
 
@@ -127,8 +133,9 @@ class Transformer(nnx.Module):
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        head = None if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = lm_logits(cfg, self.final_norm(x), embed, head)
+        head, head_scale = (None, None) if cfg.tie_word_embeddings else \
+            linear_weight(self, "lm_head")
+        logits = lm_logits(cfg, self.final_norm(x), embed, head, embed_scale, head_scale)
         if cache is None:
             return logits, KVCache(new_k, new_v)
         return logits, cache.write(new_k, new_v, positions)
@@ -140,6 +147,8 @@ TRANSFORMER_AXES: AxesTable = {
     "blocks": stacked_axes(BLOCK_AXES),
     "final_norm": NORM_AXES,
     "lm_head": ("embed", "vocab"),      # [E, V]
+    "embed_scale": ("vocab",),          # [V], int8 embed rows ("int8-all")
+    "lm_head_scale": ("vocab",),        # [V], int8 lm_head columns ("int8-all")
 }
 
 

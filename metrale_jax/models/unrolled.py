@@ -91,7 +91,8 @@ def split_layers(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[LayerGraph,
 
 def _embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
            images: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    return embed_tokens(graph.cfg, params.outer["embed"][...], tokens, images)
+    scale = params.outer["embed_scale"][...] if "embed_scale" in params.outer else None
+    return embed_tokens(graph.cfg, params.outer["embed"][...], tokens, images, scale)
 
 
 def _head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
@@ -99,8 +100,11 @@ def _head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
     cfg = graph.cfg
     x = rms_norm(x, params.outer["final_norm"]["weight"][...], cfg.rms_norm_eps,
                  cfg.norm_weight_offset)
-    head = None if cfg.tie_word_embeddings else params.outer["lm_head"][...]
-    return lm_logits(cfg, x, params.outer["embed"][...], head)
+    outer = params.outer
+    head = None if cfg.tie_word_embeddings else outer["lm_head"][...]
+    embed_scale = outer["embed_scale"][...] if "embed_scale" in outer else None
+    head_scale = outer["lm_head_scale"][...] if "lm_head_scale" in outer else None
+    return lm_logits(cfg, x, outer["embed"][...], head, embed_scale, head_scale)
 
 
 def forward_layers(graph: LayerGraph, params: LayerParams, tokens: jax.Array,

@@ -423,6 +423,11 @@ class LeaderEngine:
         """`Engine.step`, on every process."""
         return self._call("step", self.engine.step, state, *args, **kwargs)
 
+    def verify(self, state, active: Any, allowed: Any, drafts: list[list[int]]):
+        """`Engine.verify` (speculative decoding), on every process."""
+        return self._call("verify", self.engine.verify, state, active, allowed,
+                          [[int(t) for t in d] for d in drafts])
+
     def beam_set(self, state, *args: Any):
         """`Engine.beam_set`, on every process."""
         return self._call("beam_set", self.engine.beam_set, state,
@@ -488,6 +493,8 @@ def run_follower(engine: Any, channel: FollowerChannel) -> None:
                 state, out = engine.add(state, *args, **kwargs)
             elif op == "step":
                 state, out = engine.step(state, *args, **kwargs)
+            elif op == "verify":
+                state, out, _ = engine.verify(state, *args, **kwargs)
             elif op == "beam_set":
                 state, out = engine.beam_set(state, *args), None
             elif op == "set_lora":  # a program: runs in order, like a step

@@ -76,6 +76,12 @@ class SamplingParams:
         early_stopping: beam search: True, False or "never" (transformers' meanings).
         num_return_sequences: beam search: how many of the best hypotheses to return
             (<= num_beams).
+        speculative_tokens: speculative decoding with prompt lookup: up to this many draft
+            tokens per step, copied from the sequence's own earlier text and verified in
+            one forward (the output is what decoding without it gives: same tokens, same
+            seed); 0 = off, None = the engine's default (`speculative_tokens`). At most the
+            engine's `speculative_tokens` (checked by the scheduler); not used for
+            constrained requests and beam search.
     """
 
     max_tokens: int | None = 16
@@ -114,6 +120,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_return_sequences: int = 1
+    speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidParameterError:
@@ -224,6 +231,8 @@ class SamplingParams:
         object.__setattr__(self, "repetition_detection",
                            RepetitionDetection.parse(self.repetition_detection))
         self._check_beams(bad, integer)
+        if self.speculative_tokens is not None and integer("speculative_tokens") < 0:
+            raise bad("speculative_tokens", "must be >= 0 (0 = off)")
 
     def _check_beams(self, bad: Callable[[str, str], Exception],
                      integer: Callable[[str], int]) -> None:

@@ -55,26 +55,14 @@ from metrale_jax.scheduler.events import (
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.sequence import Sequence
+from metrale_jax.scheduler.speculation import Pending, SpeculativeDecoding
 from metrale_jax.scheduler.token_sets import bad_word_ids
 from metrale_jax.scheduler.waiting import WaitingQueue
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Pending:
-    """A launched step whose output is read one iteration later.
-
-    owners: (column, slot, sequence) for every output column that carries a token: a decode
-    row's column is its slot, a finished prompt's column is B + r; a slot whose owner changed
-    (finished, freed, preempted, re-admitted) since then has its output ignored.
-    """
-
-    output: Any
-    owners: list[tuple[int, int, Sequence]]
-
-
-class Scheduler:
+class Scheduler(SpeculativeDecoding):
     """Owns an `Engine` and runs the batching loop in a background thread.
 
     Args:
@@ -207,6 +195,11 @@ class Scheduler:
             self.grammar.validate(request.params.constraint, self.engine.config.decode_steps)
         self._lora_mix(request.params.lora)
         self._check_beams(request)
+        most = self.engine.config.speculative_tokens
+        if (request.params.speculative_tokens or 0) > most:
+            raise InvalidParameterError(
+                f"speculative num_tokens must be at most {most} here (the server's "
+                "--speculative-tokens)", param="speculative")
         wanted = request.params.max_tokens or 1
         if n + wanted > self.max_len:
             raise ContextLengthError(
@@ -416,7 +409,7 @@ class Scheduler:
             self._ready.set()
             return
         self._ready.set()
-        pending: collections.deque[_Pending] = collections.deque()
+        pending: collections.deque[Pending] = collections.deque()
         while True:
             with self._lock:
                 if not self._running:
@@ -431,8 +424,9 @@ class Scheduler:
                 self._admit()
                 step = None
                 if any(self._slots):
-                    if self.grammar.must_drain(self._decoding()) and not self._prefilling:
-                        while pending:  # nothing to overlap with
+                    if not self._prefilling and (self.grammar.must_drain(self._decoding())
+                                                 or self._speculating()):
+                        while pending:  # nothing to overlap with (drafts need the tokens)
                             self._consume(pending.popleft())
                     step = self._launch_step(pending)
                     if step is not None:
@@ -655,7 +649,7 @@ class Scheduler:
             self._offer_pages(slot, seq, end)
         return out
 
-    def _launch_step(self, pending: collections.deque) -> _Pending | None:
+    def _launch_step(self, pending: collections.deque) -> Pending | None:
         """Launches one ragged step: decoding rows plus prompt pieces (None: nothing can
         run). Preempts when a decoding row needs a page the pool cannot give."""
         B = self.num_slots
@@ -676,6 +670,10 @@ class Scheduler:
         pieces = self._pieces(need) if self._prefilling else []
         if not active.any() and not pieces:
             return None
+        if not pieces and not pending:
+            drafts = self._drafts(active)
+            if drafts is not None:
+                return self._launch_verify(active, allowed, drafts)
         self.state, out = engine.step(self.state, active, allowed, [p for p, _ in pieces])
         _start_copy(out)
         self.stats["steps"] += 1
@@ -691,7 +689,7 @@ class Scheduler:
                 r += 1
         launched = [slot for _, slot, _ in owners]
         self.grammar.launched(np.array(launched, np.int64))
-        return _Pending(out, owners)
+        return Pending(out, owners)
 
     def _preempt(self) -> bool:
         """Frees the most recently admitted sequence's row and puts its request back at the
@@ -809,7 +807,7 @@ class Scheduler:
         seq.handle.post(Finished(best.finish_reason, seq.input_tokens, len(best.token_ids),
                                  stop, "", seq.cached_tokens or 0, hyps))
 
-    def _consume(self, pending: _Pending) -> None:
+    def _consume(self, pending: Pending) -> None:
         out = pending.output
         tokens = np.asarray(out.tokens)
         logprobs = np.asarray(out.logprobs)
@@ -824,6 +822,8 @@ class Scheduler:
                 self._beam_output(seq, top_ids[0, col], top_lps[0, col])
                 continue
             steps = tokens.shape[0] if col < B else 1
+            if pending.emitted is not None:
+                steps = int(pending.emitted[col])
             for k in range(steps):
                 seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
                               top_ids[k, col], top_lps[k, col])

@@ -65,6 +65,8 @@ class Sequence:
         # row holds now; None for every other request.
         self.beam = None
         self.beam_index = 0
+        # Speculative decoding: when this sequence drafts (scheduler/ngram_draft.DraftGate).
+        self.draft_gate = None
         self.cache_root = root_key(request.tenant, request.cache_salt, lora_key)
         self.page_keys: list[str] = []
         self.keyed = 0

@@ -17,6 +17,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError
+from metrale_jax.models.quant import SCALE_SUFFIX, quantize, stacked_in_axes
 from metrale_jax.models.transformer import abstract_model
 
 
@@ -65,7 +66,9 @@ def _get(tree, path: tuple[str, ...]):
 
 def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source: Path | str,
                     dtype: jnp.dtype = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
-    """Builds `(graphdef, params)` for `cfg` from canonical tensors, cast to `dtype`.
+    """Builds `(graphdef, params)` for `cfg` from canonical tensors, cast to `dtype`; with
+    `cfg.quantization`, the weights it names are quantized to int8 in numpy as each stacked
+    tensor is placed (`models/quant.py`), so no float copy of them reaches the device.
 
     Raises `CheckpointError` naming `source` and the tensor when one is missing or its shape
     disagrees with the config.
@@ -79,11 +82,16 @@ def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source:
         return np.asarray(tensors[name])
 
     def place(path: tuple[str, ...], value: np.ndarray, name: str) -> None:
-        expected = _get(want, path).shape
-        if tuple(value.shape) != tuple(expected):
+        target = _get(want, path)
+        if tuple(value.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(value.shape)}, but the config "
-                f"implies {tuple(expected)}")
+                f"implies {tuple(target.shape)}")
+        if target.dtype == jnp.int8:  # cfg.quantization: int8 on the host, then placed
+            q, scale = quantize(np.asarray(value, np.float32), stacked_in_axes(path))
+            _set(out, (*path[:-1], path[-1] + SCALE_SUFFIX), jnp.asarray(scale))
+            _set(out, path, jnp.asarray(q))
+            return
         _set(out, path, jnp.asarray(value, dtype))
 
     def reshaped(fn: Callable, w: np.ndarray, name: str, path: tuple[str, ...]) -> np.ndarray:

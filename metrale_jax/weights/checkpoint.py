@@ -13,6 +13,7 @@ arrays. This package imports nothing from the engine: the hook is just a callabl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -65,20 +66,31 @@ def resolve(model: str | Path) -> tuple[Path, Format]:
 
 
 def load_checkpoint(model: str | Path, dtype: str | None = None, *,
-                    shardings: ShardingsHook | None = None) -> Checkpoint:
+                    shardings: ShardingsHook | None = None,
+                    quantization: str | None = None) -> Checkpoint:
     """Loads a model by name or path.
 
     `dtype` ("float32" | "bfloat16") is the params dtype; None keeps an orbax checkpoint's
     stored dtype and means float32 for the other formats. `shardings`: the placement hook
-    (see `ShardingsHook`), called before any weight is read.
+    (see `ShardingsHook`), called before any weight is read. `quantization` ("int8" |
+    "int8-all", `models/quant.py`): quantize the weights while loading, each stacked tensor in
+    numpy on the host (GGUF Q8_0 tensors are requantized per output channel from their block
+    values); an orbax checkpoint stored quantized loads quantized without it.
     """
     from metrale_jax.config import check_dtype
+    from metrale_jax.models.quant import check_quantization
     if dtype is not None:
         check_dtype(dtype)
+    check_quantization(quantization)
     path, fmt = resolve(model)
     start = time.perf_counter()
     from metrale_jax.weights.m2m100_reader import is_m2m100_folder, load_m2m100_checkpoint
     if fmt in ("hf", "orbax") and is_m2m100_folder(path, fmt):  # a translation model
+        if quantization:
+            from metrale_jax.errors import InvalidParameterError
+            raise InvalidParameterError("int8 quantization is for decoder-only models; this "
+                                        "is an encoder-decoder (translation) model",
+                                        param="quantization")
         ckpt = load_m2m100_checkpoint(str(model), path, fmt, dtype, shardings)
         log.info("loaded %s (M2M100, %s) in %.1fs", path, fmt, time.perf_counter() - start)
         return ckpt
@@ -89,7 +101,12 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
             meta = read_metadata(path)
             placed = shardings(ModelConfig.from_dict(meta["config"]), dtype or meta["dtype"])
         ckpt = load_orbax(path, dtype, shardings=placed)
-        log.info("loaded %s (orbax%s) in %.1fs", path, ", sharded" if placed else "",
+        if quantization and ckpt.config.quantization is None:  # a float checkpoint
+            from metrale_jax.models.quant import quantize_state
+            config, graphdef, params = quantize_state(ckpt.config, ckpt.params, quantization)
+            ckpt = dataclasses.replace(ckpt, config=config, graphdef=graphdef, params=params)
+        log.info("loaded %s (orbax%s%s) in %.1fs", path, ", sharded" if placed else "",
+                 f", {ckpt.config.quantization}" if ckpt.config.quantization else "",
                  time.perf_counter() - start)
         return ckpt
     from metrale_jax.weights.assemble import assemble_params
@@ -100,6 +117,7 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         from metrale_jax.text import tokenizer_from_gguf_metadata
         from metrale_jax.weights.gguf_reader import read_gguf
         config, tensors, meta = read_gguf(path)
+        config = dataclasses.replace(config, quantization=quantization)
         if shardings is not None:
             shardings(config, dtype)
         tokenizer = tokenizer_from_gguf_metadata(meta)
@@ -110,7 +128,7 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         from metrale_jax.text import load_tokenizer
         from metrale_jax.weights.hf_config import read_generation_config, read_hf_config
         from metrale_jax.weights.safetensors_reader import read_safetensors
-        config = read_hf_config(path)
+        config = dataclasses.replace(read_hf_config(path), quantization=quantization)
         if shardings is not None:
             shardings(config, dtype)
         tensors = read_safetensors(path)
@@ -130,7 +148,8 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         gguf_meta = None
     graphdef, params = assemble_params(config, tensors, path, jdtype)
     del tensors
-    log.info("loaded %s (%s) in %.1fs", path, fmt, time.perf_counter() - start)
+    log.info("loaded %s (%s%s) in %.1fs", path, fmt,
+             f", {quantization} weights" if quantization else "", time.perf_counter() - start)
     name = DEFAULT_MODEL_NAME if str(model) == DEFAULT_MODEL_NAME else str(model)
     return Checkpoint(name, path, fmt, config, graphdef, params, tokenizer, template,
                       generation, dtype, gguf_meta, vision, image_processor)

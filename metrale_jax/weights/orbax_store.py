@@ -121,6 +121,16 @@ dict (`nnx.to_pure_dict`: `{"embed": ..., "blocks": {"attn": {"q_proj": ...}}, .
 function from that dict of `jax.ShapeDtypeStruct`s to one."""
 
 
+def _cast(x: Any, dtype: Any) -> Any:
+    """`x` (an array or `ShapeDtypeStruct`) in `dtype` if it is floating; int8 weights of a
+    quantized model (`models/quant.py`) keep their dtype."""
+    if not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, dtype)
+    return x.astype(dtype)
+
+
 def _jnp_dtype(name: str) -> Any:
     return np.dtype(name) if name == "float32" else jax.numpy.bfloat16
 
@@ -155,7 +165,7 @@ def load_orbax(path: Path, dtype: str | None = None, shardings: Shardings | None
     except (ValueError, KeyError, FileNotFoundError, OSError) as e:
         raise CheckpointError(f"{path / 'params'}: cannot restore params ({e})") from None
     if shardings is None and dtype is not None and dtype != stored:
-        restored = jax.tree.map(lambda x: x.astype(dtype), restored)
+        restored = jax.tree.map(lambda x: _cast(x, dtype), restored)
     state = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(state, restored)
     tokenizer = _load_tokenizer(path / "tokenizer", meta["tokenizer"])
@@ -191,7 +201,8 @@ def _sharded_target(target: dict[str, Any], shardings: Shardings, dtype: Any) ->
     tree = shardings(target) if callable(shardings) else shardings
     try:
         return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), target, tree)
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, _cast(a, dtype).dtype, sharding=s),
+            target, tree)
     except ValueError as e:  # the shardings' tree does not match the params'
         raise ValueError(f"shardings do not match the checkpoint's params: {e}") from None
 

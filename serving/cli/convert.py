@@ -18,7 +18,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise MetraleError(f"{args.dst}: already exists; choose a new folder")
     with StageProgress() as progress:
         with stage(progress, "loading weights") as step:
-            ckpt = load_checkpoint(args.src, args.dtype,
+            ckpt = load_checkpoint(args.src, args.dtype, quantization=args.quantization,
                                    **progress_kwargs(load_checkpoint, step))
         with stage(progress, "writing orbax checkpoint") as step:
             out = save_orbax(ckpt, args.dst, **progress_kwargs(save_orbax, step))
@@ -28,9 +28,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `metrale convert`."""
+    from serving.cli.scale import add_quantization_flag
     conv = sub.add_parser("convert", help="convert a checkpoint to Metrale's orbax format")
     conv.add_argument("src", help="'default', a HF folder, or a .gguf file")
     conv.add_argument("dst", help="output folder (must not exist)")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                       help="params dtype to store (default float32)")
+    add_quantization_flag(conv)  # stores the int8 arrays and scales: no float copy to load
     conv.set_defaults(func=cmd_convert)

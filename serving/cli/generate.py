@@ -19,7 +19,13 @@ from serving.cli.sampling import (
     add_sampling_flags,
     sampling_params_from_args,
 )
-from serving.cli.scale import add_scale_flags, engine_options, init_distributed, shape_flag
+from serving.cli.scale import (
+    add_quantization_flag,
+    add_scale_flags,
+    engine_options,
+    init_distributed,
+    shape_flag,
+)
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -85,6 +91,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                      help="params and compute dtype (default float32, or an orbax "
                           "checkpoint's stored dtype)")
+    add_quantization_flag(gen)
     gen.add_argument("--json", action="store_true", help="print the Completion as JSON")
     add_language_flags(gen, defaults=False)
     add_scale_flags(gen)

@@ -25,6 +25,16 @@ log = logging.getLogger("metrale")
 HEARTBEAT_TIMEOUT_S = 30  # jax's own dead-process detection (ours is the side channel: faster)
 
 
+def add_quantization_flag(parser: argparse.ArgumentParser) -> None:
+    """Adds --quantization (int8 weights, `metrale_jax/models/quant.py`); a value not in
+    the choices exits 2 with argparse's message naming them."""
+    from metrale_jax.config import QUANTIZATIONS
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="store the weights int8 with per-output-channel scales, quantized "
+                             "while loading: 'int8' the linear layers, 'int8-all' the "
+                             "embedding and LM head too (default: as stored)")
+
+
 def add_scale_flags(parser: argparse.ArgumentParser, processes: bool = True) -> None:
     """Adds --mesh and --memory-gb (and, with `processes`, the multi-host flags)."""
     parser.add_argument("--mesh", default=None,
@@ -51,6 +61,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["mesh"] = args.mesh
     if args.memory_gb is not None:
         options["memory_gb"] = args.memory_gb
+    if getattr(args, "quantization", None) is not None:
+        options["quantization"] = args.quantization
     return options
 
 

@@ -14,7 +14,13 @@ from typing import Any
 from metrale_jax.errors import MetraleError
 from serving.cli.languages import add_language_flags, source_len_option, translation_model
 from serving.cli.sampling import add_logprobs_mode_flag
-from serving.cli.scale import add_scale_flags, engine_options, init_distributed, shape_flag
+from serving.cli.scale import (
+    add_quantization_flag,
+    add_scale_flags,
+    engine_options,
+    init_distributed,
+    shape_flag,
+)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -49,6 +55,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise MetraleError("--prefix-cache-share must be from 0 to 1")
     if args.prefix_cache_min_tokens < 0:
         raise MetraleError("--prefix-cache-min-tokens must be >= 0")
+    if not 0 <= args.speculative_tokens <= 32:
+        raise MetraleError("--speculative-tokens must be from 0 (off) to 32")
     _check_media_flags(args)
     _check_access_flags(args)
     args.loras = _lora_flags(args.lora)
@@ -218,6 +226,8 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
     options.update(source_len_option(args))
     if args.max_images is not None:
         options["max_images"] = args.max_images
+    if args.speculative_tokens:
+        options["speculative_tokens"] = args.speculative_tokens
     settings = ServerSettings(
         model=args.model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, max_slots=shape_flag(args.max_slots),
@@ -321,6 +331,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="largest prefill bucket (a power of two; default the engine's)")
     srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                      help="params and compute dtype (default float32)")
+    add_quantization_flag(srv)
     _access_flags(srv)
     srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                      help="larger request bodies get 413")
@@ -354,6 +365,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--prefix-cache-min-tokens", type=int, default=64, metavar="N",
                      help="the shortest shared prefix read from the cache (default 64: off "
                           "TPU a shorter one costs more to read than to prefill)")
+    srv.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                     help="speculative decoding with prompt lookup: up to K draft tokens per "
+                          "step, copied from the request's own text and verified in one "
+                          "forward (same output); the requests' default and maximum "
+                          "(\"speculative\": {\"num_tokens\": k}); 0 = off (default)")
     _media_flags(srv)
     add_language_flags(srv)
     add_logprobs_mode_flag(srv)

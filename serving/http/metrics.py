@@ -56,6 +56,12 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not prefilled).",
                                   value=stats.get("prefix_cache_hits", 0))
+        yield CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens",
+                                  "Draft tokens proposed by prompt lookup (speculative "
+                                  "decoding).", value=stats.get("spec_drafted", 0))
+        yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens",
+                                  "Draft tokens accepted by the verify steps.",
+                                  value=stats.get("spec_accepted", 0))
         pages = getattr(scheduler.engine, "pages", None) if scheduler is not None else None
         cache = getattr(pages, "cache", None)
         yield gauge("prefix_cache_pages", "KV pages in the prefix cache (shared or idle).",

@@ -62,6 +62,14 @@ def lora_weights(items: list[LoraScale], names: dict[int, str]) -> dict[str, flo
     return out
 
 
+class Speculative(BaseModel):
+    """`speculative`: this request's speculative decoding (prompt lookup): up to `num_tokens`
+    draft tokens per step, at most the server's --speculative-tokens (0 = off)."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_tokens: Annotated[int, Field(ge=0, le=64)]
+
+
 class _Sampling(_Body):
     """The sampling fields shared by chat and completions."""
 
@@ -129,6 +137,9 @@ class _Sampling(_Body):
     target_lang: Any = None
     src_lang: Any = None
     tgt_lang: Any = None
+    # Metrale's: speculative decoding with prompt lookup ({"num_tokens": k}; default: the
+    # server's --speculative-tokens).
+    speculative: Speculative | None = None
 
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -187,6 +198,8 @@ class _Sampling(_Body):
             num_beams=self.beams,
             length_penalty=1.0 if self.length_penalty is None else float(self.length_penalty),
             early_stopping=False if self.early_stopping is None else self.early_stopping,
+            speculative_tokens=(None if self.speculative is None
+                                else self.speculative.num_tokens),
             **extras,
         )
 

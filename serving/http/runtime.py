@@ -81,13 +81,18 @@ class ModelRuntime:
             hook = PlacementHook(EngineConfig(max_slots=s.max_slots, max_len=s.max_len,
                                               **s.engine_options))
             with stage(self.progress, LOADING) as step:
-                ckpt = load_checkpoint(s.model, s.dtype, shardings=hook, **progress_kwargs(
-                    load_checkpoint, step if self.progress else None))
+                ckpt = load_checkpoint(s.model, s.dtype, shardings=hook,
+                                       quantization=s.engine_options.get("quantization"),
+                                       **progress_kwargs(load_checkpoint,
+                                                         step if self.progress else None))
             self.checkpoint = ckpt
             check_languages(ckpt, s.source_lang, s.target_lang)
             self._vision_setup(ckpt, hook.config.max_images)
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                             placement=hook.placement, vision=ckpt.vision)
+            log.info("weights: %s%s", engine.config.dtype,
+                     f", {engine.model_config.quantization} quantized"
+                     if engine.model_config.quantization else "")
             # The engine holds its own (per-layer, placed) params: drop the loaded stacked
             # copy, which would double the params' memory beside the memory plan.
             self.checkpoint = ckpt = dataclasses.replace(ckpt, params=None)

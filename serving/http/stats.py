@@ -1,11 +1,13 @@
 """GET /v1/metrale/stats: the server's live state as JSON, for `metrale top` and scripts.
 
-    {"model", "state", "uptime_s", "time",
+    {"model", "quantization" (None, "int8" or "int8-all": the weights), "state", "uptime_s",
+     "time",
      "slots": {"total", "used", "running": [{"slot", "request_id", "tenant", "prompt_tokens",
                                              "tokens", "running_s", "tokens_per_s"}]},
      "waiting", "requests_active", "compiles",
      "counters": {"admitted", "finished", "steps", "tokens", "loop_errors", "preempted",
-                  "prefix_cache_queries", "prefix_cache_hits"},
+                  "prefix_cache_queries", "prefix_cache_hits", "spec_drafted",
+                  "spec_accepted" (speculative decoding's draft tokens proposed, accepted)},
      "prefix_cache": {"enabled", "hit_rate" (hit / queried prompt tokens; None before any),
                       "pages" (cached pages), "idle_pages" (cached, held by no request)},
      "errors": {"total", "by_status": {"400": n, ...},
@@ -30,7 +32,7 @@ from typing import Any
 
 RECENT_ERRORS = 20
 COUNTERS = ("admitted", "finished", "steps", "tokens", "loop_errors", "preempted",
-            "prefix_cache_queries", "prefix_cache_hits")
+            "prefix_cache_queries", "prefix_cache_hits", "spec_drafted", "spec_accepted")
 
 
 class ErrorLog:
@@ -99,6 +101,8 @@ def stats_body(state: Any) -> dict[str, Any]:
                     "idle_pages": pages.idle_pages if cache is not None else 0}
     return {
         "model": state.settings.model_name,
+        "quantization": (scheduler.engine.model_config.quantization
+                         if scheduler is not None else None),
         "state": status,
         "uptime_s": time.time() - rt.created,
         "time": time.time(),

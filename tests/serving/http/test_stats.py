@@ -21,6 +21,7 @@ def test_stats_show_the_running_and_the_waiting_requests(server, base_url):
     assert stats["slots"] == {**stats["slots"], "total": 8, "used": 1}
     assert stats["waiting"] == 2 and stats["requests_active"] == 3
     assert stats["state"] == "ready" and stats["model"] == MODEL
+    assert stats["quantization"] is None  # float weights (int8: --quantization)
     assert stats["compiles"] == before["compiles"] > 0  # nothing compiles per request
 
     for s in [first, *queued]:

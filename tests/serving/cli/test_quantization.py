@@ -1,0 +1,53 @@
+"""`--quantization` on `metrale serve`, `generate` and `convert` (`models/quant.py`): a bad
+value exits 2 naming the choices; `convert --quantization int8` stores the int8 arrays, which
+load quantized without the flag."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from serving.cli import build_parser, main
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "convert"])
+def test_a_bad_value_exits_2_naming_the_choices(command, capsys):
+    extra = ["src", "dst"] if command == "convert" else []
+    with pytest.raises(SystemExit) as e:
+        main([command, *extra, "--quantization", "int4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--quantization: invalid choice: 'int4'" in err and "'int8'" in err
+
+
+def test_serve_passes_it_to_the_engine():
+    from serving.cli.serve import check_flags, server_settings
+
+    def settings(*flags: str):
+        args = build_parser().parse_args(["serve", *flags])
+        check_flags(args)
+        return server_settings(args)
+    assert settings("--quantization", "int8").engine_options["quantization"] == "int8"
+    assert "quantization" not in settings().engine_options
+
+
+def _same(a, b) -> None:
+    a, b = nnx.to_pure_dict(a), nnx.to_pure_dict(b)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def test_convert_stores_int8_and_loads_it_without_the_flag(tmp_path):
+    from metrale_jax.weights.checkpoint import load_checkpoint
+    from tests.hf_models import build_tiny_checkpoint
+    tiny = build_tiny_checkpoint(tmp_path / "hf")
+    assert main(["convert", str(tiny), str(tmp_path / "int8"), "--quantization", "int8"]) == 0
+    stored = load_checkpoint(tmp_path / "int8")
+    assert stored.config.quantization == "int8"
+    assert nnx.to_pure_dict(stored.params)["blocks"]["mlp"]["gate"].dtype == np.int8
+    at_load = load_checkpoint(tiny, quantization="int8")
+    _same(stored.params, at_load.params)
+    # a float orbax checkpoint quantized while loading gives the same arrays
+    assert main(["convert", str(tiny), str(tmp_path / "float")]) == 0
+    _same(load_checkpoint(tmp_path / "float", quantization="int8").params, at_load.params)
