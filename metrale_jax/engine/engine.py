@@ -120,7 +120,7 @@ class Engine:
         dtype = jnp.dtype(cfg.dtype)
         self.cache_dtype = jnp.dtype(cfg.resolved_cache_dtype)
         if cfg.quantization and model_config.quantization is None:  # a float model given
-            from metrale_jax.models.quant import quantize_state
+            from metrale_jax.models.quantized_model import quantize_state
             model_config, graphdef, params = quantize_state(model_config, params,
                                                             cfg.quantization)
             self.model_config = model_config

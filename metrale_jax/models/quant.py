@@ -107,42 +107,6 @@ def stacked_in_axes(path: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(range(1, 1 + n_in))
 
 
-def quantize_state(cfg: Any, params: Any, mode: str) -> tuple[Any, Any, Any]:
-    """A float `Transformer`'s stacked params (`nnx.State`, on the host or a device) ->
-    `(cfg, graphdef, params)` of the same model quantized with `mode` ("int8" / "int8-all").
-    Each weight is quantized in numpy on the host, one stacked tensor at a time; the other
-    params are kept as they are."""
-    import dataclasses
-
-    from flax import nnx
-
-    from metrale_jax.models.transformer import abstract_model
-    check_quantization(mode)
-    cfg = dataclasses.replace(cfg, quantization=mode)
-    src = nnx.to_pure_dict(params)
-    dtype = next(x.dtype for x in jax.tree.leaves(src) if jnp.issubdtype(x.dtype, jnp.floating))
-    graphdef, abstract = abstract_model(cfg, dtype)
-
-    def fill(want: dict, have: dict, path: tuple[str, ...]) -> dict:
-        out = {}
-        for key, leaf in want.items():
-            if isinstance(leaf, dict):
-                out[key] = fill(leaf, have[key], (*path, key))
-            elif key.endswith(SCALE_SUFFIX):
-                continue
-            elif leaf.dtype == jnp.int8:
-                q, scale = quantize(np.asarray(jax.device_get(have[key]), np.float32),
-                                    stacked_in_axes((*path, key)))
-                out[key], out[key + SCALE_SUFFIX] = jnp.asarray(q), jnp.asarray(scale)
-            else:
-                out[key] = have[key]
-        return out
-
-    state = jax.tree.map(lambda x: x, abstract)
-    nnx.replace_by_pure_dict(state, fill(nnx.to_pure_dict(abstract), src, ()))
-    return cfg, graphdef, state
-
-
 def scale_axes(axes: dict, linear: dict[str, int]) -> dict:
     """A module's logical-axes table with each quantized weight's scale added: the scale takes
     the output axes of its weight (e.g. q_proj ("embed", "heads", "head_dim") -> q_proj_scale
@@ -155,4 +119,4 @@ def scale_axes(axes: dict, linear: dict[str, int]) -> dict:
 
 __all__ = ["ATTENTION_LINEAR", "MLP_LINEAR", "QUANTIZATIONS", "SCALE_SUFFIX",
            "check_quantization", "dequantize", "qeinsum", "qmatmul", "quantize",
-           "quantize_state", "quantizes_embeddings", "scale_axes", "stacked_in_axes"]
+           "quantizes_embeddings", "scale_axes", "stacked_in_axes"]

@@ -102,7 +102,7 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
             placed = shardings(ModelConfig.from_dict(meta["config"]), dtype or meta["dtype"])
         ckpt = load_orbax(path, dtype, shardings=placed)
         if quantization and ckpt.config.quantization is None:  # a float checkpoint
-            from metrale_jax.models.quant import quantize_state
+            from metrale_jax.models.quantized_model import quantize_state
             config, graphdef, params = quantize_state(ckpt.config, ckpt.params, quantization)
             ckpt = dataclasses.replace(ckpt, config=config, graphdef=graphdef, params=params)
         log.info("loaded %s (orbax%s%s) in %.1fs", path, ", sharded" if placed else "",

@@ -27,9 +27,9 @@ from metrale_jax.models.quant import (
     SCALE_SUFFIX,
     dequantize,
     quantize,
-    quantize_state,
     stacked_in_axes,
 )
+from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.models.transformer import Transformer, forward
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -32,7 +32,7 @@ def child_main() -> None:
 
     from metrale_jax.config import ModelConfig
     from metrale_jax.engine.sharding import make_mesh, shard_params
-    from metrale_jax.models.quant import quantize_state
+    from metrale_jax.models.quantized_model import quantize_state
     from metrale_jax.models.transformer import Transformer
     from metrale_jax.models.unrolled import forward_layers, split_layers
 
