@@ -47,6 +47,9 @@ CACHE.mkdir(parents=True, exist_ok=True)
 # its cache folder from METRALE_JAX_CACHE: this one, never the user's ~/.cache/metrale/jax, so
 # a clean clone's run starts cold and shares one cache across its processes.
 os.environ["METRALE_JAX_CACHE"] = str(CACHE)
+# Likewise the C++ kernels built on first use (metrale_jax/kernels/build.py): a clean clone's
+# run builds them once into its own folder, shared by its processes.
+os.environ.setdefault("METRALE_KERNEL_CACHE", str(CACHE.parent / "kernels"))
 
 # (imports jax: after XLA_FLAGS and OMP_NUM_THREADS are set)
 from metrale_jax.engine.engine import enable_compilation_cache  # noqa: E402

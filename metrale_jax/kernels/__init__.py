@@ -1,0 +1,5 @@
+"""Hand-written XLA FFI kernels for XLA:CPU, compiled from C++ on first use.
+
+- `build.py`: compile a .cc of this package with the system g++ into a per-user cache.
+- `int8_matmul.py`: `(x @ q) * scale` for int8 weights (`models/quant.py` calls it on CPU).
+"""
