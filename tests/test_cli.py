@@ -1,4 +1,8 @@
-"""The `metrale` command line, run as a user runs it: a subprocess, its output, its exit code."""
+"""The `metrale` command line, run as a user runs it: a subprocess, its output, its exit code.
+
+The usage errors (exit 2, one line, no traceback) run `main()` in this process instead, the
+function the console script calls (a subprocess costs an interpreter and JAX's import each);
+`test_the_console_script_exits_2_with_one_line` checks the script's own path once."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import sys
 import pytest
 
 from tests.hf_models import build_tiny_checkpoint
+from tests.serving.conftest import run_main
 
 
 def metrale(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -54,12 +59,19 @@ def test_generate_streams_text(tiny):
     (["generate", "--max-tokens", "many"], "invalid int value"),
     (["frobnicate"], "invalid choice"),
 ])
-def test_bad_usage_exits_2_with_one_line(args, needle, tiny):
+def test_bad_usage_exits_2_with_one_line(args, needle, tiny, capsys):
     if args[0] == "generate" and "--model" not in args:
         args = [*args, "--model", str(tiny)]
-    r = metrale(*args)
+    code, _, err = run_main(capsys, *args)
+    assert code == 2
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_the_console_script_exits_2_with_one_line(tiny):
+    r = metrale("generate", "--model", str(tiny), "--temperature", "-1")
     assert r.returncode == 2
-    assert needle in r.stderr
+    assert "temperature" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "Traceback" not in r.stderr
 
 
@@ -149,16 +161,16 @@ def test_generate_translates(nllb):
      "--chat is for chat models"),
     (["serve", "--max-source-len", "1", "--port", "0"], "--max-source-len"),
 ])
-def test_bad_translation_flags_exit_2(nllb, args, needle):
-    r = metrale(*args, "--model", str(nllb[0]), *NLLB_SHAPES[:2])
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert needle in r.stderr
-    assert "Traceback" not in r.stderr
+def test_bad_translation_flags_exit_2(nllb, args, needle, capsys):
+    code, out, err = run_main(capsys, *args, "--model", str(nllb[0]), *NLLB_SHAPES[:2])
+    assert code == 2, (out, err)
+    assert needle in err
+    assert "Traceback" not in err
 
 
-def test_language_flags_on_a_decoder_only_model_exit_2(tiny):
+def test_language_flags_on_a_decoder_only_model_exit_2(tiny, capsys):
     for command in ("serve", "generate"):
-        r = metrale(command, "--model", str(tiny), "--source-lang", "eng_Latn",
-                    *(["--port", "0"] if command == "serve" else []))
-        assert r.returncode == 2, (command, r.stderr)
-        assert "for translation models" in r.stderr and "Traceback" not in r.stderr
+        code, _, err = run_main(capsys, command, "--model", str(tiny), "--source-lang",
+                                "eng_Latn", *(["--port", "0"] if command == "serve" else []))
+        assert code == 2, (command, err)
+        assert "for translation models" in err and "Traceback" not in err

@@ -60,6 +60,28 @@ class ModelRuntime:
         self._loaded = threading.Event()
         self._channel: Any = None  # the multi-host side channel, when there is one
 
+    @classmethod
+    def from_llm(cls, llm: Any, settings: ServerSettings) -> ModelRuntime:
+        """A ready runtime serving an in-process `metrale_jax.LLM` through the LLM's own
+        checkpoint and scheduler (its batching loop, compiled programs and KV pages): a
+        notebook's server without a second copy of the model. `settings` gives the server's
+        options and its served name; the engine's shapes are the LLM's. A server started on
+        it borrows it (`ServerState.owns_runtime`): stopping the server leaves the LLM
+        running, and `llm.close()` stops the batching loop."""
+        runtime = cls(settings)
+        ckpt = llm.checkpoint
+        check_languages(ckpt, settings.source_lang, settings.target_lang)
+        runtime.checkpoint = ckpt
+        runtime.scheduler = llm.scheduler
+        runtime.engine_config = runtime.scheduler.engine.config
+        runtime.loras = dict(llm.loras)
+        runtime.lora_paths = {name: settings.loras.get(name, "") for name in llm.loras}
+        runtime._vision_setup(ckpt, runtime.engine_config.max_images)
+        runtime.scheduler.set_active_lora(settings.active_lora)
+        runtime.state = "ready"
+        runtime._loaded.set()
+        return runtime
+
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> threading.Thread:
         """Starts loading and warmup in a background thread."""

@@ -1,5 +1,7 @@
 """The scale-out flags of `metrale generate` / `serve`: --mesh, --memory-gb, 0 = "choose",
-the multi-host flags' checks, and a sharded orbax restore on 2 fake devices from the CLI."""
+the multi-host flags' checks, and a sharded orbax restore on 2 fake devices from the CLI.
+Runs that load a model are subprocesses, as a user runs them; the usage errors (exit 2 before
+loading) run `main()` in this process (tests/test_cli.py checks the console script's path)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 from tests.conftest import REPO, xla_flags
 from tests.hf_models import build_tiny_checkpoint
+from tests.serving.conftest import run_main
 
 
 def metrale(*args: str, devices: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -39,10 +42,10 @@ GEN = ["--prompt", "quick brown", "--max-tokens", "6", "--temperature", "0", "--
     (["--coordinator", "h", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
     (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id"),
 ])
-def test_bad_scale_flags_exit_2_before_loading(args, needle, tiny):
-    r = metrale("generate", "--model", str(tiny), *GEN, *args)
-    assert r.returncode == 2, r.stderr
-    assert needle in r.stderr and "Traceback" not in r.stderr
+def test_bad_scale_flags_exit_2_before_loading(args, needle, tiny, capsys):
+    code, _, err = run_main(capsys, "generate", "--model", str(tiny), *GEN, *args)
+    assert code == 2, err
+    assert needle in err and "Traceback" not in err
 
 
 def test_memory_plan_chooses_the_cache_length(tiny):
@@ -54,11 +57,11 @@ def test_memory_plan_chooses_the_cache_length(tiny):
         in r.stderr  # the tiny model's 256 positions fit
 
 
-def test_serve_refuses_a_plan_that_does_not_fit(tiny):
-    r = metrale("serve", "--model", str(tiny), "--port", "0", "--max-slots", "64",
-                "--max-len", "256", "--memory-gb", "0.001")
-    assert r.returncode == 2, r.stderr
-    assert "metrale: error:" in r.stderr and "per device" in r.stderr
+def test_serve_refuses_a_plan_that_does_not_fit(tiny, capsys):
+    code, _, err = run_main(capsys, "serve", "--model", str(tiny), "--port", "0",
+                            "--max-slots", "64", "--max-len", "256", "--memory-gb", "0.001")
+    assert code == 2, err
+    assert "metrale: error:" in err and "per device" in err
 
 
 @pytest.mark.slow
@@ -77,11 +80,12 @@ def test_sharded_orbax_generate_matches_one_device(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("share", ["1.5", "-0.1"])
-def test_serve_refuses_a_prefix_cache_share_outside_0_to_1(share, tiny):
-    r = metrale("serve", "--model", str(tiny), "--port", "0", "--prefix-cache-share", share)
-    assert r.returncode == 2, r.stderr
-    assert "--prefix-cache-share must be from 0 to 1" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_serve_refuses_a_prefix_cache_share_outside_0_to_1(share, tiny, capsys):
+    code, _, err = run_main(capsys, "serve", "--model", str(tiny), "--port", "0",
+                            "--prefix-cache-share", share)
+    assert code == 2, err
+    assert "--prefix-cache-share must be from 0 to 1" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -92,7 +96,7 @@ def test_serve_refuses_a_prefix_cache_share_outside_0_to_1(share, tiny):
     (["--lora", "a=/x", "--active-lora", "a=big"], "expected NAME or NAME=SCALE"),
     (["--lora", "a=/x", "--active-lora", "a=inf"], "finite"),
 ])
-def test_serve_refuses_bad_lora_flags(args, needle, tiny):
-    r = metrale("serve", "--model", str(tiny), "--port", "0", *args)
-    assert r.returncode == 2, r.stderr
-    assert needle in r.stderr and "Traceback" not in r.stderr
+def test_serve_refuses_bad_lora_flags(args, needle, tiny, capsys):
+    code, _, err = run_main(capsys, "serve", "--model", str(tiny), "--port", "0", *args)
+    assert code == 2, err
+    assert needle in err and "Traceback" not in err
