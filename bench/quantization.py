@@ -1,4 +1,4 @@
-"""int8 weight-only quantization on the default model: quality and decode speed vs float32.
+"""int8 weight-only quantization on the default model: quality, decode and prefill speed vs float32.
 
     python bench/quantization.py                  # float32, int8 and int8-all, side by side
     python bench/quantization.py --modes int8     # float32 and int8 only
@@ -10,7 +10,9 @@ Per weight mode, in one run on the same machine (needs `metrale pull`):
   mode's argmax on float32's own greedy sequence, position by position);
 - ppl: the perplexity of the first `--ppl-tokens` tokens of the project's README.md (windows
   of `--window` tokens, each scored from its second token on), and its change vs float32;
-- tok/s: single-stream greedy decode through the engine (one slot), after a warm-up.
+- tok/s: single-stream greedy decode through the engine (one slot), after a warm-up;
+- TTFT: time to the first token of a `--prefill-tokens` prompt (README tokens) through the
+  same engine (the default `max_prefill_len`, 512: one chunk), best of 3 after a warm-up.
 """
 
 from __future__ import annotations
@@ -60,11 +62,29 @@ def perplexity(ckpt, ids: list[int], window: int) -> float:
     return float(np.exp(nll / count))
 
 
-def greedy_decode(ckpt, prompt: list[int], tokens: int, max_len: int) -> tuple[list[int], float]:
+def make_engine(ckpt, max_len: int) -> Engine:
+    """A one-slot engine for `ckpt` (the default prefill chunk, 512 tokens)."""
+    return Engine(ckpt.config, ckpt.graphdef, ckpt.params, EngineConfig(
+        max_slots=1, max_len=max_len, num_top_logprobs=1))
+
+
+def time_to_first_token(engine: Engine, prompt: list[int], rounds: int = 3) -> float:
+    """Seconds from `engine.add` of `prompt` to its first token on the host, best of
+    `rounds` after a warm-up (the compile)."""
+    state = engine.init_decode_state()
+    best = float("inf")
+    for i in range(rounds + 1):
+        t0 = time.perf_counter()
+        state, first = engine.add(state, [(0, prompt, SlotSettings())])
+        np.asarray(first.tokens)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def greedy_decode(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], float]:
     """`tokens` greedy tokens through the engine (one slot) and the decode tokens/s (the
     decode steps after the first two, timed on the device)."""
-    engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params, EngineConfig(
-        max_slots=1, max_len=max_len, max_prefill_len=256, num_top_logprobs=1))
     state = engine.init_decode_state()
     state, first = engine.add(state, [(0, prompt, SlotSettings())])
     out = [int(np.asarray(first.tokens)[0, 0])]
@@ -87,6 +107,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens to decode")
     ap.add_argument("--ppl-tokens", type=int, default=2048, help="README tokens scored")
     ap.add_argument("--window", type=int, default=512, help="perplexity window")
+    ap.add_argument("--prefill-tokens", type=int, default=500,
+                    help="prompt length (README tokens) for the time to first token")
     args = ap.parse_args()
     rows = []
     base = None
@@ -100,12 +122,15 @@ def main() -> None:
                                 add_special_tokens=False)
             text = tok.encode((ROOT / "README.md").read_text(), add_special_tokens=False)
             text = text[:args.ppl_tokens]
-        out, rate = greedy_decode(ckpt, prompt, args.tokens, 1024)
+        engine = make_engine(ckpt, 1024)
+        out, rate = greedy_decode(engine, prompt, args.tokens)
+        ttft = time_to_first_token(engine, text[:args.prefill_tokens])
+        del engine
         ppl = perplexity(ckpt, text, args.window)
         logits = logits_of(ckpt, prompt)
         if base is None:
-            base = dict(logits=logits, out=out, ppl=ppl, rate=rate)
-            rows.append(("float32", 0.0, len(out), 1.0, ppl, 0.0, rate, 1.0))
+            base = dict(logits=logits, out=out, ppl=ppl, rate=rate, ttft=ttft)
+            rows.append(("float32", 0.0, len(out), 1.0, ppl, 0.0, rate, 1.0, ttft, 1.0))
             continue
         err = float((np.abs(logits - base["logits"]).max(-1)
                      / np.abs(base["logits"]).max(-1)).max())
@@ -114,15 +139,16 @@ def main() -> None:
         forced = logits_of(ckpt, prompt + base["out"][:-1])[len(prompt) - 1:].argmax(-1)
         agree = float(np.mean(forced == np.asarray(base["out"])))
         rows.append((mode, err, same, agree, ppl, ppl / base["ppl"] - 1, rate,
-                     rate / base["rate"]))
+                     rate / base["rate"], ttft, ttft / base["ttft"]))
         del ckpt
     print(f"default model, {jax.devices()[0].platform}, {args.tokens} greedy tokens, "
-          f"ppl over {len(text)} README tokens (window {args.window})")
+          f"ppl over {len(text)} README tokens (window {args.window}), TTFT of a "
+          f"{min(args.prefill_tokens, len(text))}-token prompt")
     print(f"{'weights':9} {'logit err':>10} {'same prefix':>12} {'forced agree':>13} "
-          f"{'ppl':>8} {'ppl diff':>9} {'tok/s':>7} {'vs f32':>7}")
-    for mode, err, same, agree, ppl, dppl, rate, ratio in rows:
+          f"{'ppl':>8} {'ppl diff':>9} {'tok/s':>7} {'vs f32':>7} {'TTFT ms':>8} {'vs f32':>7}")
+    for mode, err, same, agree, ppl, dppl, rate, ratio, ttft, tratio in rows:
         print(f"{mode:9} {err:10.4f} {same:12d} {agree:13.3f} {ppl:8.3f} {dppl:+9.2%} "
-              f"{rate:7.1f} {ratio:7.2f}x")
+              f"{rate:7.1f} {ratio:7.2f}x {ttft * 1e3:8.0f} {tratio:7.2f}x")
 
 
 if __name__ == "__main__":

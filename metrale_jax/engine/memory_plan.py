@@ -11,10 +11,12 @@ axis, heads that do not divide it) is counted on every device. Per device:
                over S + P, activations) + the decode logits and sampling temporaries
     reserve  = `reserve_fraction` of memory (XLA's workspace, fragmentation, runtime)
 
-where K_dev is K / model when the kv heads shard over `model`, else K. `plan_memory` is a pure
-function of (ModelConfig, itemsizes, mesh shape, memory bytes, requested B / S or None);
-`device_memory_bytes` reads the memory from the devices (`memory_stats()["bytes_limit"]`) or
-takes `--memory-gb` where the platform reports none (CPU).
+where K_dev is K / model when the kv heads shard over `model`, else K, and the params count
+their compute dtype's bytes, except int8-quantized weights (`--quantization`): 1 byte each,
+plus their float scales. `plan_memory` is a pure function of (ModelConfig, itemsizes, mesh
+shape, memory bytes, requested B / S or None, quantization); `device_memory_bytes` reads the
+memory from the devices (`memory_stats()["bytes_limit"]`) or takes `--memory-gb` where the
+platform reports none (CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from metrale_jax.config import ModelConfig
@@ -138,14 +141,17 @@ def _sizes(mesh_shape: tuple[int, int]) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=32)
-def _param_elements_per_device(cfg: ModelConfig, mesh_shape: tuple[int, int]) -> int:
+def _param_elements_per_device(cfg: ModelConfig, mesh_shape: tuple[int, int]) -> tuple[int, int]:
+    """(float elements, int8 elements) of one device's share of `cfg`'s params (int8: the
+    weights `cfg.quantization` quantizes; their scales are float)."""
     _, abstract = abstract_model(cfg)
     sizes = _sizes(mesh_shape)
     specs = jax.tree.leaves(param_specs(abstract, sizes),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
-    shapes = [x.shape for x in jax.tree.leaves(abstract)]
-    return sum(math.prod(shard_shape(shape, spec, sizes))
-               for shape, spec in zip(shapes, specs, strict=True))
+    counts = [0, 0]
+    for x, spec in zip(jax.tree.leaves(abstract), specs, strict=True):
+        counts[x.dtype == jnp.int8] += math.prod(shard_shape(x.shape, spec, sizes))
+    return counts[0], counts[1]
 
 
 @functools.lru_cache(maxsize=8)
@@ -155,11 +161,18 @@ def _vision_elements(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
 
 
-def param_bytes_per_device(cfg: ModelConfig, itemsize: int, mesh_shape: tuple[int, int]) -> int:
-    """Bytes of one device's share of the params (`itemsize` bytes per element), replicated
-    tensors counted whole (a vision-language model's vision encoder is replicated)."""
+def param_bytes_per_device(cfg: ModelConfig, itemsize: int, mesh_shape: tuple[int, int],
+                           quantization: str | None = None) -> int:
+    """Bytes of one device's share of the params (`itemsize` bytes per float element),
+    replicated tensors counted whole (a vision-language model's vision encoder is replicated).
+    `quantization` ("int8" / "int8-all", or `cfg.quantization` when None): the weights it
+    quantizes count 1 byte per element, their per-output-channel scales `itemsize` (the engine
+    casts float params, scales too, to the compute dtype; `models/quant.py`)."""
+    if quantization is not None and cfg.quantization is None:
+        cfg = dataclasses.replace(cfg, quantization=quantization)
     vision = _vision_elements(cfg) if cfg.vision is not None else 0
-    return (_param_elements_per_device(cfg, tuple(mesh_shape)) + vision) * itemsize
+    floats, int8s = _param_elements_per_device(cfg, tuple(mesh_shape))
+    return (floats + vision) * itemsize + int8s
 
 
 def image_bytes_per_device(cfg: ModelConfig, itemsize: int, images: int) -> int:
@@ -231,7 +244,7 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
                 slots: int | None = None, max_len: int | None = None,
                 prefill_len: int = 512, prefill_batch: int = 1,
                 reserve_fraction: float = 0.1, source_len: int = 0,
-                images: int = 0) -> MemoryPlan:
+                images: int = 0, quantization: str | None = None) -> MemoryPlan:
     """The largest KV cache that fits in `memory_bytes` per device beside the params.
 
     itemsize / cache_itemsize: bytes per param / cache element (4 float32, 2 bfloat16);
@@ -239,9 +252,11 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
     Choosing: S defaults to min(model's max positions, 4096) and B to as many slots as fit (a
     multiple of data, at most 256 per data shard); when B reaches that cap, S grows (up to the
     model's max positions); when not even `data` slots fit, S shrinks (a multiple of 128).
-    Given both, the plan is checked. Raises `MemoryPlanError` (nothing allocated) when the
-    params alone, or the requested cache, do not fit, or the memory is unknown and B or S is
-    not given; and `InvalidParameterError` when B is not a multiple of the data axis.
+    Given both, the plan is checked. quantization: the weight mode ("int8" / "int8-all", None:
+    `cfg.quantization`), whose int8 weights count 1 byte each (`param_bytes_per_device`).
+    Raises `MemoryPlanError` (nothing allocated) when the params alone, or the requested
+    cache, do not fit, or the memory is unknown and B or S is not given; and
+    `InvalidParameterError` when B is not a multiple of the data axis.
     """
     data = mesh_shape[0]
     where = f"on mesh {format_mesh(mesh_shape)}"
@@ -251,7 +266,7 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
             "each data shard holds the same number of slots", param="max_slots")
     if max_len is not None and max_len < 2:
         raise InvalidParameterError(f"max_len={max_len} must be at least 2", param="max_len")
-    params = param_bytes_per_device(cfg, itemsize, mesh_shape)
+    params = param_bytes_per_device(cfg, itemsize, mesh_shape, quantization)
     token = token_bytes_per_device(cfg, cache_itemsize, mesh_shape)
 
     def plan(b: int, s: int) -> MemoryPlan:

@@ -112,7 +112,7 @@ def place(model_config: ModelConfig, config: EngineConfig,
         memory_bytes=device_memory_bytes(memory_gb=config.memory_gb), slots=config.max_slots,
         max_len=config.max_len, prefill_len=config.max_prefill_len or 512,
         prefill_batch=config.max_prefill_batch or 4, source_len=config.max_source_len,
-        images=config.max_images)
+        images=config.max_images, quantization=model_config.quantization or config.quantization)
     log.info("%s", plan.describe())
     resolved = config.with_shapes(plan.slots, plan.max_len, shape)
     resolved = dataclasses.replace(resolved, num_pages=plan_pages(plan, resolved))

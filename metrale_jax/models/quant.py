@@ -15,17 +15,29 @@ float (XLA fuses the convert into the dot on GPU and TPU, which then read half (
 quarter (float32) of the weight bytes); the scale applies to the dot's output, since it is
 constant along the reduced axes.
 
-On XLA:CPU that form decodes about 5x slower than float32 (the convert fused into the dot
-takes it off the fast Eigen path), so on a single CPU device a float32 product of at most
-`KERNEL_MAX_ROWS` rows (decode, verify) runs a C++ XLA FFI kernel instead
+On XLA:CPU that form decodes about 5x slower than float32: for a product of few rows, the
+int8 -> float32 convert of the whole weight costs as much as the memory-bound product itself.
+So on a single CPU device a float32 product of at most `KERNEL_MAX_ROWS` rows (decode,
+verify, small prefill chunks) runs a C++ XLA FFI kernel instead
 (`metrale_jax/kernels/int8_matmul.py`: built with the system g++ on first use, cached per
 user; `METRALE_INT8_KERNEL=0` or no compiler keeps the XLA form). It reads each int8 weight
 byte once per call: on a 30-layer 576x1536 matvec stack, 1.7 ms against float32's 8.3 ms
 and the XLA int8 form's 67 ms (one row; four rows: 3.1, 14.2 and 63 ms), and the default
-model decodes int8 about 2x faster than float32 (README, "int8 weights"). Larger products
-(prefill) are compute-bound and keep XLA's form, as does a mesh (XLA's SPMD partitioner has
-no rule for the custom call). `qmatmul` and the `qeinsum` specs of `models/layers.py` map
-onto the kernel's two weight layouts, [in, out] and [out, in] (the tied LM head).
+model decodes int8 about 2x faster than float32 (README, "int8 weights").
+
+Larger products (prefill) keep XLA's form, which jaxlib 0.10's XLA:CPU compiles to a
+separate convert of the weight to float32 (a loop fusion, not fused into the dot) followed by
+its float32 (YNNPACK) dot: the convert's K*N elements are small next to an M >= 64 product,
+so int8 prefill runs as fast as float32 (the default model, a 500-token prompt through the
+engine: float32 1.74 s, int8 1.60 s, int8-all 1.71 s to the first token, best of 5). A
+custom call that dequantizes into the dot's float32 operand was measured and dropped: it is
+that same structure, and was slower than XLA's own convert at every size tried (M 32-512).
+The cut-off was measured on the model's forward (no cache, T tokens; the kernel vs XLA's
+form, ms, best of 9 alternating runs on a shared 2-core machine): T=16 69 vs 89, 32 104 vs
+118, 48 148 vs 170, 64 198 vs 179, 128 408 vs 330. A mesh keeps XLA's form too (XLA's SPMD
+partitioner has no rule for the custom call). `qmatmul` and the `qeinsum` specs of
+`models/layers.py` map onto the kernel's two weight layouts, [in, out] and [out, in] (the
+tied LM head).
 
 Modes (`ModelConfig.quantization`): "int8" quantizes the linear layers (attention q/k/v/o and
 the MLP); "int8-all" also the embedding and the LM head. The default keeps embed/head float:
@@ -88,9 +100,11 @@ def dequantize(q: Any, scale: Any, in_axes: tuple[int, ...]) -> Any:
     return q.astype(xp.float32) * xp.expand_dims(scale, in_axes)
 
 
-KERNEL_MAX_ROWS = 128
+KERNEL_MAX_ROWS = 48
 """The CPU int8 kernel (`kernels/int8_matmul.py`) serves a product of at most this many rows
-of x (decode, verify, small prefills); above it XLA's form is as fast (measured, 576x1536)."""
+of x (decode, verify, small prefill chunks); above it XLA's form (a convert, then its float32
+dot) is faster: measured on the default model's forward, the kernel wins up to 48 tokens and
+loses from 64 on (module docstring)."""
 
 
 def _use_kernel(x: jax.Array, n_in: int) -> bool:

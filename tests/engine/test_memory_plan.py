@@ -48,6 +48,29 @@ def test_param_bytes_per_device():
     assert mp.param_bytes_per_device(TINY, 1, (1, 8)) == (sharded - kv) // 8 + kv + norms
 
 
+def test_int8_params_count_one_byte_plus_their_scales():
+    """int8 weights count 1 byte, their per-output-channel scales `itemsize` (from the shapes:
+    q/k/v/o and the MLP per layer; "int8-all" also the tied embedding [V, E], scale [V])."""
+    c = SMOLLM
+    E, H, K, D, F, L, V = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                           c.intermediate_size, c.num_layers, c.vocab_size)
+    weights = L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F)
+    scales = L * (H * D + 2 * K * D + E + 2 * F + E)
+    f32_bytes = 4 * num_params(c)
+    int8 = mp.param_bytes_per_device(c, 4, (1, 1), "int8")
+    assert int8 == f32_bytes - 3 * weights + 4 * scales
+    assert mp.param_bytes_per_device(c, 4, (1, 1), "int8-all") == int8 - 3 * V * E + 4 * V
+    # a config already quantized counts the same; bfloat16 scales take 2 bytes
+    assert mp.param_bytes_per_device(dataclasses.replace(c, quantization="int8"), 4,
+                                     (1, 1)) == int8
+    assert mp.param_bytes_per_device(c, 2, (1, 1), "int8") == (
+        2 * num_params(c) - weights + 2 * scales)
+    # the freed bytes go to the KV cache: more slots in the same memory
+    plain = f32(c, memory_bytes=GiB, max_len=4096)
+    quant = f32(c, memory_bytes=GiB, max_len=4096, quantization="int8")
+    assert quant.param_bytes == int8 and quant.slots > plain.slots
+
+
 def test_token_bytes_follow_the_kv_rule():
     # SmolLM2: L=30 x (k, v) x K=3 x D=64 x 4 bytes; 3 kv heads replicate on model=2 or 4
     assert mp.token_bytes_per_device(SMOLLM, 4, (1, 1)) == 30 * 2 * 3 * 64 * 4 == 46080

@@ -94,6 +94,24 @@ def test_qeinsum_uses_kernel(spec: str) -> None:
     assert y.shape == ref.shape and np.all(np.abs(y - ref) <= bound + 1e-30)
 
 
+def test_qeinsum_above_the_cutoff_uses_xla() -> None:
+    """Each spec with more than `KERNEL_MAX_ROWS` rows (a prefill chunk) takes XLA's form
+    (convert, then a float32 dot) and equals the dequantized einsum within float32 rounding."""
+    rng = np.random.default_rng(5)
+    T = KERNEL_MAX_ROWS + 1
+    for spec, (xs, ws, ss) in SPECS.items():
+        x = rng.standard_normal((1, T, *xs[2:])).astype(np.float32)
+        w = rng.integers(-127, 128, ws).astype(np.int8)
+        scale = rng.uniform(0.001, 0.02, ss).astype(np.float32)
+        fn = jax.jit(lambda a, b, c, spec=spec: qeinsum(spec, a, b, c))
+        assert not uses_kernel(fn, x, w, scale)
+        y = np.asarray(fn(x, w, scale))
+        s = scale.reshape((1,) * (y.ndim - scale.ndim) + scale.shape)
+        ref = np.einsum(spec, x.astype(np.float64), w.astype(np.float64)) * s
+        absum = np.einsum(spec, np.abs(x.astype(np.float64)), np.abs(w.astype(np.float64)))
+        assert y.shape == ref.shape and np.all(np.abs(y - ref) <= 2 * 10 * EPS * absum * s)
+
+
 def test_qmatmul_rows_threshold_and_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to `KERNEL_MAX_ROWS` rows use the kernel, more use XLA's form; so does
     METRALE_INT8_KERNEL=0 (the fallback), with the same values within rounding."""
