@@ -37,7 +37,7 @@ browser:
 test: $(VENV)/.installed-test browser
 	$(BIN)/metrale pull
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=10
+	$(BIN)/python -m pytest -n 3 --dist loadgroup -q --durations=10
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -7,7 +7,7 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-# `make test` runs two xdist workers on a 2-core machine, and the subprocesses of the mesh,
+# `make test` runs three xdist workers on a 2-core machine, and the subprocesses of the mesh,
 # multi-host and notebook tests share those cores too. torch's OpenMP threads spin while
 # they wait for work, so with one thread per core in every process the transformers
 # references slowed down about 11x (test_default_model_greedy: 27 s alone, 430 s beside the
@@ -94,7 +94,7 @@ def default_transformers(default_gguf):
                                                 dtype=torch.float32).eval()
 
 
-# ---- which xdist worker runs what (`make test`: `-n 2 --dist loadgroup`) --------------------
+# ---- which xdist worker runs what (`make test`: `-n 3 --dist loadgroup`) --------------------
 # A session fixture that compiles an engine is built once per worker that needs it, so the
 # tests sharing one go to the same worker: a test using one of these fixtures joins that
 # fixture's group, any other test its file's group (as with `--dist loadfile`). The runtime
