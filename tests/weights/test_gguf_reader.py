@@ -278,20 +278,22 @@ def assert_tensors(got: dict[str, np.ndarray], exact: dict[str, np.ndarray], s: 
 # The default model against transformers' GGUF loader.
 
 @pytest.fixture(scope="module")
-def default_both(default_gguf_path):
-    """(ours, transformers') readings of the default model, computed once."""
-    torch = pytest.importorskip("torch")
-    from transformers import LlamaConfig, LlamaForCausalLM
+def default_both(default_gguf_path, default_transformers):
+    """(ours, transformers' config dict, transformers' tensors) for the default model:
+    transformers' tensors are those of the "default-model" group's shared model
+    (`default_transformers`, loaded from the GGUF once per run), without the tied head."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     ours = read_gguf(default_gguf_path)
     hf_config = load_gguf_checkpoint(str(default_gguf_path))["config"]
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**hf_config))
-    hf = load_gguf_checkpoint(str(default_gguf_path), return_tensors=True, model_to_load=model)
-    return ours, hf_config, {k: v.numpy() for k, v in hf["tensors"].items()}
+    model = default_transformers
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return ours, hf_config, {k: v.numpy() for k, v in model.state_dict().items()
+                             if k != "lm_head.weight"}
 
 
+# With the tests that share `default_transformers` (tests/conftest.py), on one worker.
+@pytest.mark.xdist_group("default-model")
 @pytest.mark.default_model
 def test_default_model_tensors_equal_transformers(default_both, default_gguf_path):
     (_, ours, _), _, theirs = default_both
@@ -312,6 +314,7 @@ def test_default_model_tensors_equal_transformers(default_both, default_gguf_pat
     assert f32 == 61 == sum(t == Q.F32 for t in types.values())
 
 
+@pytest.mark.xdist_group("default-model")
 @pytest.mark.default_model
 def test_default_model_config_equals_transformers(default_both):
     (cfg, _, meta), hf, _ = default_both
