@@ -8,9 +8,10 @@ Two cases, each printing one table:
 `micro`: `decode_attention` alone, jitted, on the default model's attention shape (9 query
 heads, 3 kv heads, head dim 64, pages of 16, float32), n = 1 and 16 rows all holding the same
 context, microseconds per call (one layer; a step runs 30). Variants, interleaved round by
-round (medians): the loop's blocks of 64 positions (the default), 128, 256, 512 positions,
-and 64-position blocks unrolled U = 4 and 8 per loop iteration (identical arithmetic, a
-U-fold smaller trip count; a copy here, not in the package).
+round (medians): XLA's loop with blocks of 64 positions (its default), 128, 256, 512
+positions, and 64-position blocks unrolled U = 4 and 8 per loop iteration (identical
+arithmetic, a U-fold smaller trip count; a copy here, not in the package), then the C++
+kernel (`metrale_jax/kernels/decode_attention.py`, what a single CPU device runs).
 
 `engine`: the engine's decode step (the default model's shape, random weights, 16 slots,
 max_len 1024), ms per step at 1 and 16 streams with 4- and 512-token prompts, with decode
@@ -89,11 +90,13 @@ def micro(args) -> None:
     q = jnp.asarray(rng.standard_normal((rows, K * G, D)), jnp.float32)
     opts = dict(sm_scale=D**-0.5)
     fns = {f"block {bp * PS}": jax.jit(functools.partial(
-        decode_attention, sliding_window=None, soft_cap=None, block_pages=bp, **opts))
-        for bp in (4, 8, 16, 32)}
+        decode_attention, sliding_window=None, soft_cap=None, block_pages=bp, kernel=False,
+        **opts)) for bp in (4, 8, 16, 32)}
     for u in (4, 8):
         fns[f"64 x{u} unrolled"] = jax.jit(functools.partial(
             unrolled_decode_attention, unroll=u, **opts))
+    fns["C++ kernel"] = jax.jit(functools.partial(
+        decode_attention, sliding_window=None, soft_cap=None, **opts))
     names = list(fns)
     print("| rows | context | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))

@@ -1,9 +1,11 @@
 """Compile a C++ source of this package into a shared library on first use, cached per user.
 
 `build(source)` runs the system `g++ -O3 -march=native -shared -fPIC -std=c++17` with JAX's
-FFI headers into `<cache>/<stem>-<key>.so`, where the cache folder is `$METRALE_KERNEL_CACHE`,
-else `$XDG_CACHE_HOME/metrale_jax/kernels` (default `~/.cache/...`), and the key hashes
-everything the binary depends on: the source, the jaxlib version, the compiler and its flags,
+FFI headers and the source's folder (its shared `.h` files) on the include path into
+`<cache>/<stem>-<key>.so`, where the cache folder is `$METRALE_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/metrale_jax/kernels` (default `~/.cache/...`), and the key hashes
+everything the binary depends on: the source and those headers, the jaxlib version, the
+compiler and its flags,
 `platform.machine()` and the CPU's feature flags (from /proc/cpuinfo: `-march=native` code may
 not run on another CPU model sharing the cache folder). The library is written to a temporary
 file in the same folder and renamed into place, so processes building at once never load a
@@ -69,14 +71,17 @@ def build(source: Path) -> Path:
     if not compiler:
         raise BuildError("no C++ compiler (g++ not found, CXX not set)")
     folder = cache_dir()
-    out = folder / f"{source.stem}-{build_key(source.read_bytes(), compiler)}.so"
+    text = source.read_bytes() + b"".join(h.read_bytes()
+                                          for h in sorted(source.parent.glob("*.h")))
+    out = folder / f"{source.stem}-{build_key(text, compiler)}.so"
     if out.exists():
         return out
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        cmd = [compiler, *CXX_FLAGS, "-isystem", jax.ffi.include_dir(), str(source), "-o", tmp]
+        cmd = [compiler, *CXX_FLAGS, "-isystem", jax.ffi.include_dir(), "-I", str(source.parent),
+               str(source), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -87,4 +92,18 @@ def build(source: Path) -> Path:
     return out
 
 
-__all__ = ["CXX_FLAGS", "BuildError", "build", "build_key", "cache_dir"]
+def register(source: Path, targets: dict[str, str]) -> None:
+    """Builds `source` (or finds it cached), loads it and registers each FFI target of
+    `targets` (target name -> the handler symbol the library exports) with XLA:CPU. Raises
+    `BuildError`, or OSError / AttributeError when the library or a symbol cannot be loaded."""
+    import ctypes
+
+    import jax
+
+    lib = ctypes.cdll.LoadLibrary(str(build(source)))
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+
+
+__all__ = ["CXX_FLAGS", "BuildError", "build", "build_key", "cache_dir", "register"]

@@ -17,17 +17,14 @@
 // nothing in parallel. Measurements: README, "int8 weights".
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -219,38 +216,6 @@ void nk_row_block(const float* x, const int8_t* q, const float* scale, float* y,
   for (; n0 < n1; ++n0) nk_rows<1>(x, q, scale, y, M, K, N, n0);
 }
 
-// Runs fn(b) for b in [0, blocks): on the caller's thread, helped by up to `threads - 1`
-// tasks on XLA's pool; blocks are claimed from a shared counter, and the caller returns once
-// every block has run (tasks that start later find none left and only drop their reference).
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t blocks = 0;
-  std::function<void(int64_t)> fn;
-
-  void drain() {
-    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
-      fn(b);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-void parallel_blocks(ffi::ThreadPool& pool, int64_t threads, int64_t blocks,
-                     std::function<void(int64_t)> fn) {
-  const int64_t tasks = std::min<int64_t>(threads, blocks) - 1;
-  if (tasks <= 0) {
-    for (int64_t b = 0; b < blocks; ++b) fn(b);
-    return;
-  }
-  auto work = std::make_shared<Work>();
-  work->blocks = blocks;
-  work->fn = std::move(fn);
-  for (int64_t t = 0; t < tasks; ++t) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < blocks) std::this_thread::yield();
-}
-
 // How many threads a call uses: `max_threads` (0 = the pool's size), at most one per
 // `kMinWork` multiply-adds so that small calls do not pay for the hand-off.
 constexpr int64_t kMinWork = 1 << 18;
@@ -289,7 +254,7 @@ ffi::Error MatmulKN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t threads = thread_count(pool, max_threads, M * K * N);
   const int64_t width = std::max<int64_t>((N / threads + VW - 1) / VW * VW, VW);
   const int64_t blocks = (N + width - 1) / width;
-  parallel_blocks(pool, threads, blocks, [=](int64_t b) {
+  metrale::parallel_blocks(pool, threads, blocks, [=](int64_t b) {
     kn_columns(xp, qp, sp, yp, M, K, N, b * width, std::min(N, (b + 1) * width));
   });
   return ffi::Error::Success();
@@ -305,7 +270,7 @@ ffi::Error MatmulNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
   const int64_t blocks = (N + NK_NB - 1) / NK_NB;
-  parallel_blocks(pool, thread_count(pool, max_threads, M * K * N), blocks,
+  metrale::parallel_blocks(pool, thread_count(pool, max_threads, M * K * N), blocks,
                   [=](int64_t b) { nk_row_block(xp, qp, sp, yp, M, K, N, b); });
   return ffi::Error::Success();
 }

@@ -14,7 +14,6 @@ of XLA's intra-op pool one call uses (default 0: the pool's size).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.kernels.build import BuildError, build
+from metrale_jax.kernels.build import BuildError, register
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +42,7 @@ def enabled() -> bool:
 def _load() -> bool:
     """Builds (or finds cached), loads and registers the kernel once; False on failure."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build(SOURCE)))
-        for transposed, target in TARGETS.items():
-            fn = getattr(lib, _SYMBOLS[transposed])
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
+        register(SOURCE, {target: _SYMBOLS[t] for t, target in TARGETS.items()})
     except (BuildError, OSError, AttributeError) as e:
         log.warning("int8 CPU kernel unavailable, int8 matmuls use XLA's slower form: %s", e)
         return False

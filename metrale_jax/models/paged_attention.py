@@ -79,10 +79,26 @@ def decode_block_pages(page_size: int, block: int = 64) -> int:
     return max(1, block // page_size)
 
 
+def _use_cpu_kernel(q: jax.Array, pages: jax.Array) -> bool:
+    """Whether `decode_attention` runs the C++ kernel (`kernels/decode_attention.py`): float32
+    on a single-device CPU backend (a mesh keeps the XLA loop, which its SPMD partitioner can
+    split), with the kernel enabled and built."""
+    if q.dtype != jnp.float32 or pages.dtype != jnp.float32:
+        return False
+    if jax.default_backend() != "cpu" or jax.device_count() != 1:
+        return False
+    from metrale_jax.kernels import decode_attention as cpu_kernel
+    return cpu_kernel.available()
+
+
 def decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
                      *, sm_scale: float, sliding_window: int | None, soft_cap: float | None,
-                     block_pages: int | None = None) -> jax.Array:
+                     block_pages: int | None = None, kernel: bool = True) -> jax.Array:
     """Attention of one query per row to its sequence's cached keys.
+
+    On a single-device CPU backend in float32 (and `kernel`), a C++ kernel computes it
+    (`metrale_jax/kernels/decode_attention.py`: each row's pages read in place, an online
+    softmax page by page); otherwise the XLA loop below.
 
     q: `[n, H, D]`, the query of row r at position `kv_lens[r] - 1` (its own key and value
     already written); pages: `[N, ps, 2K, D]`; page_table: `[n, PPS] int32`; kv_lens: `[n] int32`
@@ -104,6 +120,10 @@ def decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_l
     `kv_len - 1 - kp < w` (blocks wholly before every row's window are skipped). Scores:
     `s * sm_scale`, then `soft_cap * tanh(s / soft_cap)`. Returns `[n, H, D]` in q's dtype.
     """
+    if kernel and _use_cpu_kernel(q, pages):
+        from metrale_jax.kernels import decode_attention as cpu_kernel
+        return cpu_kernel.decode_attention(q, pages, page_table, kv_lens, sm_scale=sm_scale,
+                                           sliding_window=sliding_window, soft_cap=soft_cap)
     n, H, D = q.shape
     _, ps, K2, _ = pages.shape
     K = K2 // 2
