@@ -31,7 +31,7 @@ from metrale_jax.engine.sampling import sample
 from metrale_jax.engine.sampling_state import TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
 from metrale_jax.engine.steps import SampleConfig, _pad_columns, _slot_of, head
-from metrale_jax.models.paged_attention import use_tpu_kernel
+from metrale_jax.models.paged_attention import decode_kernel_applies, use_tpu_kernel
 from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
 
 
@@ -83,16 +83,26 @@ def verify_step(graph, sc: SampleConfig, shape: VerifyShape, params, state: Deco
     rows_c = jnp.where(real_c, row_ids.reshape(-1)[order], -1)
     safe_rows = jnp.clip(rows_c, 0, B - 1)
     slots = _slot_of(page_table[safe_rows], pos_c, real_c, page_size)
-    kernel = kernel_layout(page_table, jnp.zeros((0,), jnp.int32), rows_c, pos_c) \
-        if use_tpu_kernel() else None
-    layout = StepLayout(slots=slots, dec_table=page_table[:0],
-                        dec_lens=jnp.zeros((0,), jnp.int32), chunk_rows=rows_c,
-                        page_table=page_table, kernel=kernel)
+    if decode_kernel_applies(state.pages[0].dtype):
+        # Where decode attention is the CPU kernel, each verify token is a decode row of its
+        # own (its row's pages, its position + 1 visible; the row's earlier tokens of this
+        # step are written before attention): the arithmetic decoding gives that position.
+        n_dec = n * K1
+        layout = StepLayout(slots=slots, dec_table=page_table[safe_rows],
+                            dec_lens=jnp.where(real_c, pos_c + 1, 0),
+                            chunk_rows=jnp.zeros((0,), jnp.int32), page_table=page_table)
+    else:
+        n_dec = 0
+        kernel = kernel_layout(page_table, jnp.zeros((0,), jnp.int32), rows_c, pos_c) \
+            if use_tpu_kernel() else None
+        layout = StepLayout(slots=slots, dec_table=page_table[:0],
+                            dec_lens=jnp.zeros((0,), jnp.int32), chunk_rows=rows_c,
+                            page_table=page_table, kernel=kernel)
     mix = None
     if lora is not None:
         mix = jnp.where(real_c[:, None], lora_mix[safe_rows], 0.0)
-    x, pages = ragged_layers(graph, params, state.pages, tok_c, pos_c, layout, n=0, lora=lora,
-                             lora_mix=mix)
+    x, pages = ragged_layers(graph, params, state.pages, tok_c, pos_c, layout, n=n_dec,
+                             lora=lora, lora_mix=mix)
     hidden = x[jnp.argsort(order)]  # back to [n * K1] row-major: (row, position j)
     logits = head(graph, params, hidden)
 

@@ -38,6 +38,7 @@ __all__ = [
     "chunk_attention",
     "decode_attention",
     "decode_block_pages",
+    "decode_kernel_applies",
     "ragged_paged_attention",
     "use_tpu_kernel",
     "write_kv",
@@ -79,11 +80,11 @@ def decode_block_pages(page_size: int, block: int = 64) -> int:
     return max(1, block // page_size)
 
 
-def _use_cpu_kernel(q: jax.Array, pages: jax.Array) -> bool:
-    """Whether `decode_attention` runs the C++ kernel (`kernels/decode_attention.py`): float32
-    on a single-device CPU backend (a mesh keeps the XLA loop, which its SPMD partitioner can
-    split), with the kernel enabled and built."""
-    if q.dtype != jnp.float32 or pages.dtype != jnp.float32:
+def decode_kernel_applies(dtype) -> bool:
+    """Whether `decode_attention` runs the C++ kernel (`kernels/decode_attention.py`) for
+    queries and pages of `dtype`: float32 on a single-device CPU backend (a mesh keeps the XLA
+    loop, which its SPMD partitioner can split), with the kernel enabled and built."""
+    if dtype != jnp.float32:
         return False
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
@@ -120,7 +121,7 @@ def decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_l
     `kv_len - 1 - kp < w` (blocks wholly before every row's window are skipped). Scores:
     `s * sm_scale`, then `soft_cap * tanh(s / soft_cap)`. Returns `[n, H, D]` in q's dtype.
     """
-    if kernel and _use_cpu_kernel(q, pages):
+    if kernel and q.dtype == pages.dtype and decode_kernel_applies(q.dtype):
         from metrale_jax.kernels import decode_attention as cpu_kernel
         return cpu_kernel.decode_attention(q, pages, page_table, kv_lens, sm_scale=sm_scale,
                                            sliding_window=sliding_window, soft_cap=soft_cap)
