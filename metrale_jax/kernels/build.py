@@ -15,12 +15,15 @@ half-written file. No new build backend: the .cc ships with the package as packa
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 CXX_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 
@@ -106,4 +109,21 @@ def register(source: Path, targets: dict[str, str]) -> None:
                                     platform="cpu")
 
 
-__all__ = ["CXX_FLAGS", "BuildError", "build", "build_key", "cache_dir", "register"]
+def try_register(source: Path, targets: dict[str, str], fallback: str) -> bool:
+    """`register`, answering False (after one warning saying `fallback`, what callers use
+    instead) when the library cannot be built or loaded."""
+    try:
+        register(source, targets)
+    except (BuildError, OSError, AttributeError) as e:
+        log.warning("%s unavailable, %s: %s", source.stem, fallback, e)
+        return False
+    return True
+
+
+def switched_on(variable: str) -> bool:
+    """False when the environment variable `variable` is "0", "false", "off" or "no"."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+__all__ = ["CXX_FLAGS", "BuildError", "build", "build_key", "cache_dir", "register",
+           "switched_on", "try_register"]

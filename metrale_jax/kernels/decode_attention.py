@@ -14,17 +14,13 @@ answers False, and callers keep XLA's loop); `METRALE_DECODE_ATTENTION_KERNEL=0`
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from metrale_jax.kernels.build import BuildError, register
-
-log = logging.getLogger(__name__)
+from metrale_jax.kernels.build import switched_on, try_register
 
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 TARGET = "metrale_decode_attention"
@@ -32,18 +28,13 @@ TARGET = "metrale_decode_attention"
 
 def enabled() -> bool:
     """False when `METRALE_DECODE_ATTENTION_KERNEL` is "0" (or "false"/"off"/"no")."""
-    return os.environ.get("METRALE_DECODE_ATTENTION_KERNEL", "1").strip().lower() not in (
-        "0", "false", "off", "no")
+    return switched_on("METRALE_DECODE_ATTENTION_KERNEL")
 
 
 @functools.cache
 def _load() -> bool:
-    try:
-        register(SOURCE, {TARGET: "MetraleDecodeAttention"})
-    except (BuildError, OSError, AttributeError) as e:
-        log.warning("decode attention CPU kernel unavailable, XLA's loop is used: %s", e)
-        return False
-    return True
+    """Builds (or finds cached), loads and registers the kernel once; False on failure."""
+    return try_register(SOURCE, {TARGET: "MetraleDecodeAttention"}, "XLA's loop is used")
 
 
 def available() -> bool:

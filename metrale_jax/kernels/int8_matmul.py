@@ -15,16 +15,13 @@ of XLA's intra-op pool one call uses (default 0: the pool's size).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.kernels.build import BuildError, register
-
-log = logging.getLogger(__name__)
+from metrale_jax.kernels.build import switched_on, try_register
 
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
 TARGETS: dict[bool, str] = {False: "metrale_int8_matmul_kn", True: "metrale_int8_matmul_nk"}
@@ -34,19 +31,14 @@ _SYMBOLS: dict[bool, str] = {False: "MetraleInt8MatmulKN", True: "MetraleInt8Mat
 
 def enabled() -> bool:
     """False when `METRALE_INT8_KERNEL` is "0" (or "false"/"off"/"no")."""
-    return os.environ.get("METRALE_INT8_KERNEL", "1").strip().lower() not in (
-        "0", "false", "off", "no")
+    return switched_on("METRALE_INT8_KERNEL")
 
 
 @functools.cache
 def _load() -> bool:
     """Builds (or finds cached), loads and registers the kernel once; False on failure."""
-    try:
-        register(SOURCE, {target: _SYMBOLS[t] for t, target in TARGETS.items()})
-    except (BuildError, OSError, AttributeError) as e:
-        log.warning("int8 CPU kernel unavailable, int8 matmuls use XLA's slower form: %s", e)
-        return False
-    return True
+    return try_register(SOURCE, {target: _SYMBOLS[t] for t, target in TARGETS.items()},
+                        "int8 matmuls use XLA's slower form")
 
 
 def available() -> bool:
