@@ -11,7 +11,9 @@ context, microseconds per call (one layer; a step runs 30). Variants, interleave
 round (medians): XLA's loop with blocks of 64 positions (its default), 128, 256, 512
 positions, and 64-position blocks unrolled U = 4 and 8 per loop iteration (identical
 arithmetic, a U-fold smaller trip count; a copy here, not in the package), then the C++
-kernel (`metrale_jax/kernels/decode_attention.py`, what a single CPU device runs).
+kernel (`metrale_jax/kernels/decode_attention.py`, what a single CPU device runs), then the
+same pool stored as an int8 KV cache (`models/kv_quant.py`) through XLA's 64-position loop and
+through the kernel.
 
 `engine`: the engine's decode step (the default model's shape, random weights, 16 slots,
 max_len 1024), ms per step at 1 and 16 streams with 4- and 512-token prompts, with decode
@@ -79,6 +81,7 @@ def micro(args) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from metrale_jax.models.kv_quant import quantize_rows
     from metrale_jax.models.paged_attention import decode_attention
 
     rows, max_len = 16, 1024
@@ -97,17 +100,24 @@ def micro(args) -> None:
             unrolled_decode_attention, unroll=u, **opts))
     fns["C++ kernel"] = jax.jit(functools.partial(
         decode_attention, sliding_window=None, soft_cap=None, **opts))
+    # The same pool stored int8 (models/kv_quant.py): XLA's loop (dequantizing each block it
+    # gathers) and the kernel's int8 target.
+    int8_pages = quantize_rows(pages)
+    fns["int8 KV, block 64"] = fns["block 64"]
+    fns["int8 KV, C++ kernel"] = fns["C++ kernel"]
+    pool = {name: int8_pages if name.startswith("int8") else pages for name in fns}
     names = list(fns)
     print("| rows | context | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     for n in (1, 16):
         for ctx in (16, 128, 512, 1024):
-            a = (q[:n], pages, table[:n], jnp.full((n,), ctx, jnp.int32))
-            for f in fns.values():
-                jax.block_until_ready(f(*a))
+            lens = jnp.full((n,), ctx, jnp.int32)
+            for name, f in fns.items():
+                jax.block_until_ready(f(q[:n], pool[name], table[:n], lens))
             times: dict[str, list[float]] = {k: [] for k in fns}
             for _ in range(args.rounds):
                 for name, f in fns.items():
+                    a = (q[:n], pool[name], table[:n], lens)
                     t0 = time.perf_counter()
                     for _ in range(args.calls):
                         out = f(*a)

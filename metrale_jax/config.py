@@ -174,6 +174,9 @@ class ModelConfig:
 
 DTypeName = Literal["float32", "bfloat16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+# The KV cache's dtypes: a float one, or int8 rows with per-(token, head) scales
+# (`models/kv_quant.py`).
+KV_CACHE_DTYPES: tuple[str, ...] = (*DTYPES, "int8")
 
 
 def check_dtype(name: str) -> str:

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 
-from metrale_jax.config import DTYPES, QUANTIZATIONS
+from metrale_jax.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from metrale_jax.engine.sharding import check_mesh_shape, parse_mesh
 from metrale_jax.errors import InvalidParameterError
 
@@ -48,7 +48,9 @@ class EngineConfig:
     num_pages: N, pages in the pool including the null page (None = chosen by the memory
         plan, or enough for every slot to hold max_len when the memory is unknown).
     decode_steps: k, decode steps per compiled `generate` call (k > 1: multi-step decode).
-    dtype: params and activations; cache_dtype: the KV cache (None = `dtype`).
+    dtype: params and activations; cache_dtype: the KV cache (None = `dtype`): "float32",
+        "bfloat16" or "int8" (each key and value head of each token stored int8 with a float32
+        scale, `models/kv_quant.py`: a quarter of float32's bytes per token, plus 4 a row).
     quantization: None, "int8" or "int8-all": int8 weights with per-output-channel scales
         (`models/quant.py`; the loaders quantize while loading, the engine quantizes a float
         model it is given). A model already quantized keeps its own.
@@ -202,8 +204,8 @@ class EngineConfig:
             raise bad("max_prefill_batch", f"exceeds max_slots={self.max_slots}")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {DTYPES}")
-        if self.cache_dtype is not None and self.cache_dtype not in DTYPES:
-            raise bad("cache_dtype", f"must be one of {DTYPES} or None")
+        if self.cache_dtype is not None and self.cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("cache_dtype", f"must be one of {KV_CACHE_DTYPES} or None")
         if self.max_slots % self.data_axis:
             raise bad("max_slots", f"must be a multiple of the mesh's data axis "
                                    f"({self.data_axis}): each data shard holds as many slots")
@@ -219,8 +221,8 @@ class EngineConfig:
                 raise bad(name, "must be a positive integer or None")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {DTYPES}")
-        if self.cache_dtype is not None and self.cache_dtype not in DTYPES:
-            raise bad("cache_dtype", f"must be one of {DTYPES} or None")
+        if self.cache_dtype is not None and self.cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("cache_dtype", f"must be one of {KV_CACHE_DTYPES} or None")
 
     @property
     def resolved(self) -> bool:

@@ -180,7 +180,8 @@ class Engine:
             functools.partial(steps.init_state, model_config, B, cfg.max_len, self.num_pages,
                               cfg.page_size, self.cache_dtype, cfg.max_source_len,
                               cfg.max_images * (self.vision.tokens_per_image
-                                                if self.vision is not None else 0)),
+                                                if self.vision is not None else 0),
+                              float_dtype=jnp.dtype(cfg.dtype)),
             out_shardings=ss)
         self._state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),

@@ -7,6 +7,7 @@ axis, heads that do not divide it) is counted on every device. Per device:
 
     memory = params + KV cache + scratch + reserve (+ what is left)
     KV cache = (B / data) slots x S tokens x L layers x 2 (k, v) x K_dev x D x cache itemsize
+               (int8: x (D + 4) bytes, each row's values and its float32 scale)
     scratch  = the largest prefill's temporaries (its own keys and values, attention scores
                over S + P, activations) + the decode logits and sampling temporaries
     reserve  = `reserve_fraction` of memory (XLA's workspace, fragmentation, runtime)
@@ -34,6 +35,7 @@ from jax.sharding import PartitionSpec
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine.sharding import format_mesh, param_specs, partition_spec, shard_shape
 from metrale_jax.errors import InvalidParameterError, MemoryPlanError
+from metrale_jax.models.kv_quant import stored_head_dim
 from metrale_jax.models.transformer import abstract_model
 
 GiB = 1 << 30
@@ -198,9 +200,11 @@ def kv_heads_per_device(cfg: ModelConfig, mesh_shape: tuple[int, int]) -> int:
 def token_bytes_per_device(cfg: ModelConfig, cache_itemsize: int,
                            mesh_shape: tuple[int, int]) -> int:
     """KV cache bytes of one token of one slot on the device holding the slot:
-    L x 2 (keys, values) x K_dev x D x itemsize."""
-    return (cfg.num_layers * 2 * kv_heads_per_device(cfg, mesh_shape) * cfg.head_dim
-            * cache_itemsize)
+    L x 2 (keys, values) x K_dev x D x itemsize; an int8 cache (itemsize 1) stores each row
+    with its float32 scale, `D + 4` bytes (`models/kv_quant.py`)."""
+    row = (stored_head_dim(cfg.head_dim, "int8") if cache_itemsize == 1
+           else cfg.head_dim * cache_itemsize)
+    return cfg.num_layers * 2 * kv_heads_per_device(cfg, mesh_shape) * row
 
 
 def scratch_bytes_per_device(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
@@ -223,9 +227,10 @@ def scratch_bytes_per_device(cfg: ModelConfig, *, itemsize: int, cache_itemsize:
     hidden = Bp * P * (4 * cfg.hidden_size + 3 * mlp) * itemsize
     prefill = prefix + scores + hidden + Bp * cfg.vocab_size * 4
     decode = -(-slots // data) * cfg.vocab_size * 4 * SAMPLING_COPIES
+    side = itemsize if cache_itemsize == 1 else cache_itemsize  # an int8 cache keeps these float
     return (max(prefill, decode)
-            + cross_bytes_per_device(cfg, cache_itemsize, mesh_shape, slots, source_len)
-            + image_bytes_per_device(cfg, cache_itemsize, images))
+            + cross_bytes_per_device(cfg, side, mesh_shape, slots, source_len)
+            + image_bytes_per_device(cfg, side, images))
 
 
 def cross_bytes_per_device(cfg: ModelConfig, cache_itemsize: int, mesh_shape: tuple[int, int],
@@ -247,7 +252,8 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
                 images: int = 0, quantization: str | None = None) -> MemoryPlan:
     """The largest KV cache that fits in `memory_bytes` per device beside the params.
 
-    itemsize / cache_itemsize: bytes per param / cache element (4 float32, 2 bfloat16);
+    itemsize / cache_itemsize: bytes per param / cache element (4 float32, 2 bfloat16, 1 int8:
+    rows of D int8 values and a float32 scale);
     mesh_shape: (data, model); slots (B) and max_len (S): requested values, or None to choose.
     Choosing: S defaults to min(model's max positions, 4096) and B to as many slots as fit (a
     multiple of data, at most 256 per data shard); when B reaches that cap, S grows (up to the

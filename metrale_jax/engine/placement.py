@@ -185,7 +185,8 @@ class StepShardings:
     def _state(self, model_config: ModelConfig, config: EngineConfig) -> DecodeState:
         B, N, ps = config.max_slots, config.resolved_num_pages, config.page_size
         spec = jax.eval_shape(functools.partial(
-            steps.init_state, model_config, B, 2, 2, ps, jnp.dtype(config.resolved_cache_dtype)))
+            steps.init_state, model_config, B, 2, 2, ps, jnp.dtype(config.resolved_cache_dtype),
+            float_dtype=jnp.dtype(config.dtype)))
 
         def per_slot(a: jax.ShapeDtypeStruct) -> NamedSharding:  # [B, ...]: slots on data
             return slot_sharding(B, self.mesh, a.ndim - 1)

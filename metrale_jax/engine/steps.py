@@ -21,6 +21,7 @@ from metrale_jax.engine.sampling import SampleResult, sample
 from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
 from metrale_jax.models import seq2seq_ragged
+from metrale_jax.models.kv_quant import is_quantized, stored_head_dim
 from metrale_jax.models.paged_attention import use_tpu_kernel
 from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
 from metrale_jax.models.ragged import head as decoder_head
@@ -93,22 +94,28 @@ class ChunkInputs:
 
 
 def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
-               cache_dtype: jnp.dtype, source_len: int = 0,
-               image_rows: int = 0) -> DecodeState:
+               cache_dtype: jnp.dtype, source_len: int = 0, image_rows: int = 0,
+               float_dtype: jnp.dtype | None = None) -> DecodeState:
     """An empty decode state: greedy rows at position 0 and zero page pools
-    (L x `[num_pages, page_size, 2K, D]`); the token history holds `length` positions; an
+    (L x `[num_pages, page_size, 2K, D]`, or `D + 4` int8 rows with their scales for an int8
+    cache: `models/kv_quant.py`); the token history holds `length` positions; an
     encoder-decoder's rows hold sources of up to `source_len` tokens (`CrossCache`); a
-    vision-language model's image feature pool holds `image_rows` rows `[image_rows, E]`."""
+    vision-language model's image feature pool holds `image_rows` rows `[image_rows, E]`.
+    Those two are kept in `cache_dtype` when it is a float, else in `float_dtype` (None:
+    float32)."""
     zeros = jnp.zeros((slots,), jnp.int32)
-    shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_pages, page_size, 2 * cfg.num_kv_heads,
+             stored_head_dim(cfg.head_dim, cache_dtype))
+    side = (jnp.dtype(float_dtype or jnp.float32) if is_quantized(cache_dtype)
+            else cache_dtype)
     return DecodeState(
         pages=tuple(jnp.zeros(shape, cache_dtype) for _ in range(cfg.num_layers)),
         positions=zeros, tokens=zeros, steps=zeros,
         sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
         history=TokenHistory.zeros(slots, length, cfg.vocab_size),
-        cross=(CrossCache.zeros(cfg, slots, source_len, cache_dtype)
+        cross=(CrossCache.zeros(cfg, slots, source_len, side)
                if cfg.is_encoder_decoder else None),
-        images=(jnp.zeros((image_rows, cfg.hidden_size), cache_dtype)
+        images=(jnp.zeros((image_rows, cfg.hidden_size), side)
                 if cfg.vision is not None else None))
 
 

@@ -2,73 +2,97 @@
 //
 //   out[n, H, D] = softmax(q . K^T * sm_scale [soft-capped]) V, one query per row, over the
 //   row's cached positions read in place from the page pool:
-//   q [n, H, D] f32; pages [N, ps, 2K, D] f32 (key head j at 2j, value head j at 2j + 1);
+//   q [n, H, D] f32; pages [N, ps, 2K, D] f32 (key head j at 2j, value head j at 2j + 1), or
+//   for the int8 target [N, ps, 2K, D + 4] s8: each row's D values, then its float32 scale's
+//   4 bytes (a row reads as value * scale; models/kv_quant.py);
 //   table [n, PPS] s32 (position p of row r at page table[r, p / ps], offset p % ps);
 //   lens [n] s32 (0: an idle row, whose output is 0). Attributes: sm_scale; soft_cap (0: none);
 //   window (0: none; else only the last `window` positions are visible).
 //
 // A task is one (row, kv head): its G = H / K query heads walk the row's pages in order,
-// page by page, with an online softmax (flash attention's recurrence) in float32. The
-// arithmetic of a row depends on nothing but that row, so its result is the same in any
-// batch. Tasks are shared out over XLA's intra-op pool when a call has enough work.
+// page by page, with an online softmax (flash attention's recurrence) in float32. An int8
+// row's scale multiplies its dot product (keys) or its softmax weight (values), so the int8
+// pool is read as it lies, a quarter of float32's bytes. The arithmetic of a row depends on
+// nothing but that row, so its result is the same in any batch. Tasks are shared out over
+// XLA's intra-op pool when a call has enough work.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int VW = 16;  // floats per vector
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+using metrale::load_f;
+using metrale::load_q;
+using metrale::store_f;
+using metrale::vf;
+using metrale::VW;
 
-inline vf load_f(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+// 16 pool elements at p as floats: float32 rows as they are, int8 rows converted.
+inline vf load_row(const float* p) { return load_f(p); }
+inline vf load_row(const int8_t* p) { return load_q(p); }
 
-inline void store_f(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float dot(const float* a, const float* b, int64_t D) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t D) {
   int64_t d = 0;
   float s = 0.f;
   if (D >= VW) {
     vf acc{};
-    for (; d + VW <= D; d += VW) acc += load_f(a + d) * load_f(b + d);
-    for (int i = 0; i < VW; ++i) s += acc[i];
+    for (; d + VW <= D; d += VW) acc += load_f(a + d) * load_row(b + d);
+    s = metrale::hsum_tree(acc);
   }
-  for (; d < D; ++d) s += a[d] * b[d];
+  for (; d < D; ++d) s += a[d] * static_cast<float>(b[d]);
   return s;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t D) {  // y += w x
+template <typename T>
+inline void axpy(float w, const T* x, float* y, int64_t D) {  // y += w x
   int64_t d = 0;
   const vf wv = vf{} + w;
-  for (; d + VW <= D; d += VW) store_f(y + d, load_f(y + d) + wv * load_f(x + d));
-  for (; d < D; ++d) y[d] += w * x[d];
+  for (; d + VW <= D; d += VW) store_f(y + d, load_f(y + d) + wv * load_row(x + d));
+  for (; d < D; ++d) y[d] += w * static_cast<float>(x[d]);
 }
 
 inline void scale_row(float c, float* y, int64_t D) {
   for (int64_t d = 0; d < D; ++d) y[d] *= c;
 }
 
+// A pool row's scale: 1 for float32 rows; the float32 after the D values of an int8 row.
+inline float row_scale(const float*, int64_t) { return 1.f; }
+
+inline float row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(s));
+  return s;
+}
+
+// Elements per pool row: D for float32, D + 4 (the scale's bytes) for int8.
+template <typename T>
+constexpr int64_t row_extra() {
+  return sizeof(T) == 1 ? 4 : 0;
+}
+
 struct Shape {
   int64_t n, H, D, ps, K, G, PPS;
 };
 
-// One (row r, kv head j) task. `s` is scratch of G * ps floats.
-void attend(const float* q, const float* pages, const int32_t* table, const int32_t* lens,
+// One (row r, kv head j) task over a pool of T rows. `s` is scratch of G * ps floats.
+template <typename T>
+void attend(const float* q, const T* pages, const int32_t* table, const int32_t* lens,
             float* out, const Shape& sh, int64_t r, int64_t j, float sm_scale, float soft_cap,
             int64_t window, float* s) {
   const int64_t D = sh.D, G = sh.G, ps = sh.ps, K2 = 2 * sh.K;
+  const int64_t RD = D + row_extra<T>();  // elements per pool row
   const float* qr = q + (r * sh.H + j * G) * D;
   float* o = out + (r * sh.H + j * G) * D;
   std::fill(o, o + G * D, 0.f);
@@ -83,12 +107,13 @@ void attend(const float* q, const float* pages, const int32_t* table, const int3
   for (int64_t pi = first / ps; pi * ps < len; ++pi) {
     const int64_t page = table[r * sh.PPS + pi];
     const int64_t p0 = std::max(first, pi * ps), p1 = std::min(len, (pi + 1) * ps);
-    const int64_t T = p1 - p0;
-    const float* base = pages + ((page * ps + (p0 - pi * ps)) * K2 + 2 * j) * D;
+    const int64_t n_pos = p1 - p0;
+    const T* base = pages + ((page * ps + (p0 - pi * ps)) * K2 + 2 * j) * RD;
     for (int64_t g = 0; g < G; ++g) {
       float mb = m[g];
-      for (int64_t t = 0; t < T; ++t) {
-        float x = dot(qr + g * D, base + t * K2 * D, D) * sm_scale;
+      for (int64_t t = 0; t < n_pos; ++t) {
+        const T* k = base + t * K2 * RD;
+        float x = dot(qr + g * D, k, D) * (row_scale(k, D) * sm_scale);
         if (soft_cap > 0.f) x = soft_cap * std::tanh(x / soft_cap);
         s[g * ps + t] = x;
         mb = std::max(mb, x);
@@ -98,12 +123,13 @@ void attend(const float* q, const float* pages, const int32_t* table, const int3
       scale_row(corr, o + g * D, D);
       m[g] = mb;
     }
-    for (int64_t t = 0; t < T; ++t) {
-      const float* v = base + t * K2 * D + D;
+    for (int64_t t = 0; t < n_pos; ++t) {
+      const T* v = base + t * K2 * RD + RD;
+      const float vs = row_scale(v, D);
       for (int64_t g = 0; g < G; ++g) {
         const float w = std::exp(s[g * ps + t] - m[g]);
         l[g] += w;
-        axpy(w, v, o + g * D, D);
+        axpy(w * vs, v, o + g * D, D);
       }
     }
   }
@@ -112,21 +138,24 @@ void attend(const float* q, const float* pages, const int32_t* table, const int3
 
 constexpr int64_t kMinWork = 1 << 16;  // multiply-adds per thread before the pool helps
 
+template <ffi::DataType PT>
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                           ffi::Buffer<ffi::F32> pages, ffi::Buffer<ffi::S32> table,
+                           ffi::Buffer<PT> pages, ffi::Buffer<ffi::S32> table,
                            ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> out,
                            float sm_scale, float soft_cap, int64_t window) {
+  using T = std::remove_cv_t<std::remove_pointer_t<decltype(pages.typed_data())>>;
   auto qd = q.dimensions(), pd = pages.dimensions(), td = table.dimensions(),
        ld = lens.dimensions();
   if (qd.size() != 3 || pd.size() != 4 || td.size() != 2 || ld.size() != 1)
     return ffi::Error::InvalidArgument("decode attention: q, pages, table, lens of wrong rank");
   Shape sh{qd[0], qd[1], qd[2], pd[1], pd[2] / 2, 0, td[1]};
-  if (pd[3] != sh.D || pd[2] % 2 || sh.K == 0 || sh.H % sh.K || td[0] != sh.n || ld[0] != sh.n)
+  if (pd[3] != sh.D + row_extra<T>() || pd[2] % 2 || sh.K == 0 || sh.H % sh.K ||
+      td[0] != sh.n || ld[0] != sh.n)
     return ffi::Error::InvalidArgument("decode attention: shapes do not match");
   sh.G = sh.H / sh.K;
   if (sh.G > 64) return ffi::Error::InvalidArgument("decode attention: over 64 heads per kv head");
   const float* qp = q.typed_data();
-  const float* pp = pages.typed_data();
+  const T* pp = pages.typed_data();
   const int32_t* tp = table.typed_data();
   const int32_t* lp = lens.typed_data();
   float* op = out->typed_data();
@@ -147,14 +176,18 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MetraleDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("window"));
+#define METRALE_DECODE_ATTENTION(name, PT)                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, DecodeAttention<PT>,              \
+                                ffi::Ffi::Bind()                        \
+                                    .Ctx<ffi::ThreadPool>()             \
+                                    .Arg<ffi::Buffer<ffi::F32>>()       \
+                                    .Arg<ffi::Buffer<PT>>()             \
+                                    .Arg<ffi::Buffer<ffi::S32>>()       \
+                                    .Arg<ffi::Buffer<ffi::S32>>()       \
+                                    .Ret<ffi::Buffer<ffi::F32>>()       \
+                                    .Attr<float>("sm_scale")            \
+                                    .Attr<float>("soft_cap")            \
+                                    .Attr<int64_t>("window"))
+
+METRALE_DECODE_ATTENTION(MetraleDecodeAttention, ffi::F32);
+METRALE_DECODE_ATTENTION(MetraleDecodeAttentionInt8, ffi::S8);

@@ -24,6 +24,7 @@ from metrale_jax.kernels.build import switched_on, try_register
 
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 TARGET = "metrale_decode_attention"
+TARGET_INT8 = "metrale_decode_attention_int8"  # pages of int8 rows with scales (kv_quant.py)
 
 
 def enabled() -> bool:
@@ -34,7 +35,9 @@ def enabled() -> bool:
 @functools.cache
 def _load() -> bool:
     """Builds (or finds cached), loads and registers the kernel once; False on failure."""
-    return try_register(SOURCE, {TARGET: "MetraleDecodeAttention"}, "XLA's loop is used")
+    return try_register(SOURCE, {TARGET: "MetraleDecodeAttention",
+                                 TARGET_INT8: "MetraleDecodeAttentionInt8"},
+                        "XLA's loop is used")
 
 
 def available() -> bool:
@@ -47,13 +50,15 @@ def decode_attention(q: jax.Array, pages: jax.Array, table: jax.Array, lens: jax
                      sm_scale: float, sliding_window: int | None,
                      soft_cap: float | None) -> jax.Array:
     """`models.paged_attention.decode_attention`'s contract on the kernel: q `[n, H, D]`,
-    pages `[N, ps, 2K, D]` float32, table `[n, PPS]`, lens `[n]` (0: idle row, output 0);
-    returns `[n, H, D]` float32. Needs `available()`."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+    pages `[N, ps, 2K, D]` float32 or `[N, ps, 2K, D + 4]` int8 (rows with their scales,
+    `models/kv_quant.py`), table `[n, PPS]`, lens `[n]` (0: idle row, output 0); returns
+    `[n, H, D]` float32. Needs `available()`."""
+    target = TARGET_INT8 if pages.dtype == jnp.int8 else TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")
     return call(q.astype(jnp.float32), pages, table.astype(jnp.int32), lens.astype(jnp.int32),
                 sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
                 window=np.int64(sliding_window or 0))
 
 
-__all__ = ["SOURCE", "TARGET", "available", "decode_attention", "enabled"]
+__all__ = ["SOURCE", "TARGET", "TARGET_INT8", "available", "decode_attention", "enabled"]

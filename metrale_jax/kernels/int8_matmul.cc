@@ -9,9 +9,8 @@
 // panels of KP rows of q, each panel read as KP sequential streams. [N, K]: blocks of NR
 // rows of q are dotted with MR rows of x, the MR * NR accumulators in vector registers.
 // Both prefetch q a few rows ahead (the streams are short for the hardware prefetcher).
-// Vectors are GCC vector extensions of VW floats, lowered to whatever -march gives
-// (AVX-512, AVX2, NEON or scalar code); the int8 -> float conversion uses intrinsics on x86
-// (GCC scalarizes __builtin_convertvector from int8 to float). Blocks of output columns are
+// Vectors and their loads are vec.h's (GCC vector extensions; intrinsics for the int8 ->
+// float conversion on x86). Blocks of output columns are
 // shared out over XLA's intra-op thread pool (ffi::ThreadPool) when the call has enough
 // work; the calling thread takes blocks too, so the call finishes even when the pool runs
 // nothing in parallel. Measurements: README, "int8 weights".
@@ -20,50 +19,20 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int VW = 16;  // floats per vector
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
-typedef int8_t vb __attribute__((vector_size(VW)));
-
-// 16 int8 at p -> 16 floats. GCC does not vectorize __builtin_convertvector from int8 to
-// float (it emits 16 scalar conversions), hence the intrinsics, with a scalar fallback.
-inline vf load_q(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif defined(__AVX2__)
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-  const __m256 hi =
-      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
-  vf v;
-  std::memcpy(&v, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-  return v;
-#else
-  vf v;
-  for (int i = 0; i < VW; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-#endif
-}
-
-inline vf load_f(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store_f(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline vf splat(float s) { return vf{} + s; }
+using metrale::load_f;
+using metrale::load_q;
+using metrale::splat;
+using metrale::store_f;
+using metrale::vf;
+using metrale::VW;
 
 constexpr int MR = 4;  // rows of x per pass over the weights
 

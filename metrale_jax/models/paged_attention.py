@@ -27,12 +27,19 @@ matrix outgrows the CPU's cache.
 Dimension letters: T tokens, H query heads, K kv heads, G = H // K query heads per kv head, D
 head dim, N pages, ps page size, PPS pages per sequence, n rows, C chunk tokens.
 Softmax statistics are float32; results are in q's dtype.
+
+An int8 pool (`models/kv_quant.py`) is `[N, ps, 2K, D + 4]` int8: every row carries its float32
+scale in its last 4 bytes. `write_kv` quantizes what it writes; every read dequantizes the rows
+it gathers (the CPU kernel reads them in place), so the arithmetic is float32 as for a float
+pool. The TPU kernel takes float pools only: an int8 pool runs the XLA path there too.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from metrale_jax.models.kv_quant import dequantize_rows, is_quantized, quantize_rows
 
 __all__ = [
     "chunk_attention",
@@ -53,15 +60,17 @@ def use_tpu_kernel() -> bool:
 def write_kv(pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
     """Writes keys and values into the page pool at flat slots.
 
-    pages: `[N, ps, 2K, D]`; k, v: `[T, K, D]`; slots: `[T] int32`, flat slots
+    pages: `[N, ps, 2K, D]` (int8: `[N, ps, 2K, D + 4]`, each row quantized with its scale,
+    `models/kv_quant.py`); k, v: `[T, K, D]`; slots: `[T] int32`, flat slots
     `page * ps + offset` (padding tokens go to slots of page 0, the only place duplicates may
-    occur). Returns the pool, `[N, ps, 2K, D]` in pages' dtype, with key head j of token t at
-    `[slot_t, 2j]` and its value head at `[slot_t, 2j + 1]`.
+    occur). Returns the pool in pages' dtype, with key head j of token t at `[slot_t, 2j]` and
+    its value head at `[slot_t, 2j + 1]`.
     """
-    _, ps, K2, D = pages.shape
-    T = k.shape[0]
+    ps, K2 = pages.shape[1], pages.shape[2]
+    T, _, D = k.shape
     # [T, K, 2, D] -> [T, 2K, D]: key head j at 2j, value head j at 2j + 1.
-    update = jnp.stack([k, v], axis=2).reshape(T, K2, D).astype(pages.dtype)
+    update = jnp.stack([k, v], axis=2).reshape(T, K2, D)
+    update = quantize_rows(update) if is_quantized(pages.dtype) else update.astype(pages.dtype)
     # Indexed as [page, offset], never through the pool reshaped to [N*ps, 2K, D]: XLA:CPU
     # turns a one-token write through that reshape into a copy of the whole pool.
     return pages.at[slots // ps, slots % ps].set(update)
@@ -121,12 +130,13 @@ def decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_l
     `kv_len - 1 - kp < w` (blocks wholly before every row's window are skipped). Scores:
     `s * sm_scale`, then `soft_cap * tanh(s / soft_cap)`. Returns `[n, H, D]` in q's dtype.
     """
-    if kernel and q.dtype == pages.dtype and decode_kernel_applies(q.dtype):
+    if (kernel and (q.dtype == pages.dtype or is_quantized(pages.dtype))
+            and decode_kernel_applies(q.dtype)):
         from metrale_jax.kernels import decode_attention as cpu_kernel
         return cpu_kernel.decode_attention(q, pages, page_table, kv_lens, sm_scale=sm_scale,
                                            sliding_window=sliding_window, soft_cap=soft_cap)
     n, H, D = q.shape
-    _, ps, K2, _ = pages.shape
+    _, ps, K2, Dp = pages.shape
     K = K2 // 2
     G = H // K
     bp = block_pages or decode_block_pages(ps)
@@ -145,7 +155,9 @@ def decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_l
     def block(b, carry):
         m, denom, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(table, b * bp, bp, axis=1)  # [n, bp]
-        kv = pages[idx].reshape(n, span, K, 2, D)
+        kv = pages[idx].reshape(n, span, K, 2, Dp)
+        if is_quantized(pages.dtype):
+            kv = dequantize_rows(kv, q.dtype)
         k, v = kv[..., 0, :], kv[..., 1, :]
         s = jnp.einsum("nkgd,nlkd->nkgl", qg, k, preferred_element_type=jnp.float32)
         s = _scores(s, sm_scale, soft_cap)
@@ -277,7 +289,9 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, tok_seq: jax.Array
         def body(b, carry):
             m, denom, acc = carry
             idx = jax.lax.dynamic_slice_in_dim(row_table, b * bp, bp)
-            kv = pages[idx].reshape(span, K, 2, D)
+            kv = pages[idx].reshape(span, K, 2, pages.shape[-1])
+            if is_quantized(pages.dtype):
+                kv = dequantize_rows(kv, qi.dtype)
             s = jnp.einsum("kcgd,lkd->kcgl", qi, kv[:, :, 0], preferred_element_type=jnp.float32)
             s = _scores(s, sm_scale, soft_cap)
             kp = b * span + jnp.arange(span, dtype=jnp.int32)
@@ -367,7 +381,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     q_block (static): the chunk's query block; ctx_q_block (static): the chunk's query
     sub-block against its pieces' context.
     """
-    if use_tpu_kernel():
+    if use_tpu_kernel() and not is_quantized(kv_pages.dtype):
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
             ragged_paged_attention as tpu_ragged_paged_attention,
         )
@@ -377,8 +391,8 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
             sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value)
 
     del mask_value
-    T, _, D = q.shape
-    N, ps, K2, _ = kv_pages.shape
+    T = q.shape[0]
+    N, ps, K2, Dp = kv_pages.shape
     S, PPS = page_indices.shape
     if not 0 <= num_decode <= min(T, S):
         raise ValueError(f"num_decode={num_decode} must be in 0 .. min(T={T}, S={S})")
@@ -408,7 +422,9 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
         tok_pos = jnp.where(real, kv_lens[seq_c] - (cu_q_lens[seq_c + 1] - t), 0)
         page = page_indices[seq_c, jnp.clip(tok_pos // ps, 0, PPS - 1)]
         slots = jnp.where(real, page * ps + tok_pos % ps, 0)
-        kv = kv_pages.reshape(N * ps, K2 // 2, 2, D)[slots]  # [C, K, 2, D]
+        kv = kv_pages.reshape(N * ps, K2 // 2, 2, Dp)[slots]  # [C, K, 2, D (+ 4)]
+        if is_quantized(kv_pages.dtype):
+            kv = dequantize_rows(kv, q.dtype)
 
         outs.append(chunk_attention(
             q[num_decode:], kv[:, :, 0], kv[:, :, 1], tok_seq, tok_pos, kv_pages, page_indices,

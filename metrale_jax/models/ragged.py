@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from metrale_jax.models.kv_quant import as_stored, stored_head_dim
 from metrale_jax.models.lora import lora_delta
 from metrale_jax.models.paged_attention import (
     chunk_attention,
@@ -142,6 +143,42 @@ def head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
     return _head(graph, params, x)
 
 
+def sequence_logits(graph: LayerGraph, params: LayerParams, ids: list[int], *,
+                    page_size: int = 16, cache_dtype=jnp.float32, chunk: int = 512,
+                    pool_sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """The logits `[len(ids), V] float32` at every position of one sequence, prefilled through
+    the paged path in chunks of `chunk` tokens: each chunk's keys and values go into a page
+    pool of `cache_dtype` (int8: `models/kv_quant.py`) and later chunks read them back from
+    there, as the engine's steps do. For quality measurements through the KV cache
+    (perplexity, teacher-forced agreement); one compiled program per chunk size.
+    pool_sharding: where the pools live (on a mesh: `engine.sharding.page_pool_sharding`)."""
+    cfg = graph.cfg
+    length = max(1, len(ids))
+    pps = -(-(-(-length // chunk) * chunk) // page_size)  # pages for every padded chunk
+    shape = (pps + 1, page_size, 2 * cfg.num_kv_heads,
+             stored_head_dim(cfg.head_dim, cache_dtype))
+    pages = tuple(jnp.zeros(shape, cache_dtype) for _ in range(cfg.num_layers))
+    if pool_sharding is not None:
+        pages = jax.device_put(pages, pool_sharding)
+    table = jnp.arange(1, pps + 1, dtype=jnp.int32)[None]  # [1, PPS]: row 0, pages 1 ..
+    run = jax.jit(lambda p, pages, tokens, positions, layout: (
+        lambda x, pages: (head(graph, p, x), pages))(
+            *ragged_layers(graph, p, pages, tokens, positions, layout, n=0)))
+    out = []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        real = jnp.arange(chunk) < len(piece)
+        pos = jnp.where(real, start + jnp.arange(chunk, dtype=jnp.int32), 0)
+        tokens = jnp.asarray(piece + [0] * (chunk - len(piece)), jnp.int32)
+        layout = StepLayout(
+            slots=jnp.where(real, table[0, pos // page_size] * page_size + pos % page_size, 0),
+            dec_table=jnp.zeros((0, pps), jnp.int32), dec_lens=jnp.zeros((0,), jnp.int32),
+            chunk_rows=jnp.where(real, 0, -1).astype(jnp.int32), page_table=table)
+        logits, pages = run(params, pages, tokens, pos, layout)
+        out.append(logits[:len(piece)])
+    return jnp.concatenate(out, axis=0)
+
+
 @functools.partial(jax.jit, static_argnames=("block_def", "sliding", "n"))
 def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora_w, lora_mix,
                   *, sliding: bool, n: int):
@@ -167,7 +204,9 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora
             parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens,
                                           **opts))
         if q.shape[0] > n:
-            parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows,
+            # the chunk's own keys as the pool stores them (int8: quantized and read back)
+            parts.append(chunk_attention(q[n:], as_stored(k[n:], pool.dtype),
+                                         as_stored(v[n:], pool.dtype), layout.chunk_rows,
                                          positions[n:], pool, layout.page_table, **opts))
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     T, H, D = out.shape
@@ -178,4 +217,5 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora
     return block._rest(x, y, delta), pool
 
 
-__all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "head", "kernel_layout", "ragged_layers"]
+__all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "head", "kernel_layout", "ragged_layers",
+           "sequence_logits"]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.config import ModelConfig
+from metrale_jax.models.kv_quant import as_stored
 from metrale_jax.models.layers import AxesTable
 from metrale_jax.models.m2m100 import (
     ATTENTION_AXES,
@@ -208,7 +209,9 @@ def _ragged_decoder_layer(layer_def, state, x, positions, pool, layout, cross_k,
             parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens,
                                           **opts))
         if q.shape[0] > n:
-            parts.append(chunk_attention(q[n:], k[n:], v[n:], layout.chunk_rows,
+            # the chunk's own keys as the pool stores them (int8: quantized and read back)
+            parts.append(chunk_attention(q[n:], as_stored(k[n:], pool.dtype),
+                                         as_stored(v[n:], pool.dtype), layout.chunk_rows,
                                          positions[n:], pool, layout.page_table, **opts))
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     x = x + _out(attn, out, x.dtype)

@@ -20,6 +20,7 @@ from serving.cli.sampling import (
     sampling_params_from_args,
 )
 from serving.cli.scale import (
+    add_kv_cache_flag,
     add_quantization_flag,
     add_scale_flags,
     engine_options,
@@ -92,6 +93,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="params and compute dtype (default float32, or an orbax "
                           "checkpoint's stored dtype)")
     add_quantization_flag(gen)
+    add_kv_cache_flag(gen)
     gen.add_argument("--json", action="store_true", help="print the Completion as JSON")
     add_language_flags(gen, defaults=False)
     add_scale_flags(gen)

@@ -35,6 +35,17 @@ def add_quantization_flag(parser: argparse.ArgumentParser) -> None:
                              "embedding and LM head too (default: as stored)")
 
 
+def add_kv_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """Adds --kv-cache-dtype (the KV cache's element type; int8 rows with per-token, per-head
+    scales: `metrale_jax/models/kv_quant.py`); a value not in the choices exits 2."""
+    from metrale_jax.config import KV_CACHE_DTYPES
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES),
+                        help="the KV cache's dtype: 'int8' stores each token's key and value "
+                             "heads int8 with a float32 scale each (about a quarter of "
+                             "float32's bytes: more tokens per GiB, faster long-context "
+                             "decode); 'auto' (default) = the compute dtype")
+
+
 def add_scale_flags(parser: argparse.ArgumentParser, processes: bool = True) -> None:
     """Adds --mesh and --memory-gb (and, with `processes`, the multi-host flags)."""
     parser.add_argument("--mesh", default=None,
@@ -63,6 +74,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["memory_gb"] = args.memory_gb
     if getattr(args, "quantization", None) is not None:
         options["quantization"] = args.quantization
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        options["cache_dtype"] = args.kv_cache_dtype
     return options
 
 

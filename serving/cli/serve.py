@@ -15,6 +15,7 @@ from metrale_jax.errors import MetraleError
 from serving.cli.languages import add_language_flags, source_len_option, translation_model
 from serving.cli.sampling import add_logprobs_mode_flag
 from serving.cli.scale import (
+    add_kv_cache_flag,
     add_quantization_flag,
     add_scale_flags,
     engine_options,
@@ -332,6 +333,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                      help="params and compute dtype (default float32)")
     add_quantization_flag(srv)
+    add_kv_cache_flag(srv)
     _access_flags(srv)
     srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                      help="larger request bodies get 413")

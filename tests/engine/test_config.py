@@ -19,7 +19,7 @@ def test_buckets_and_batches():
 @pytest.mark.parametrize("field,value", [
     ("max_slots", 0), ("max_len", -1), ("max_prefill_len", 100), ("min_prefill_bucket", 3),
     ("max_prefill_len", 4096), ("max_prefill_batch", 16), ("decode_steps", 0),
-    ("dtype", "float16"), ("cache_dtype", "int8"), ("num_top_logprobs", 0),
+    ("dtype", "float16"), ("cache_dtype", "int4"), ("num_top_logprobs", 0),
 ])
 def test_invalid_fields_are_named(field, value):
     with pytest.raises(InvalidParameterError) as err:

@@ -40,17 +40,23 @@ def mixed_items(rng):
                                      strict=True)]
 
 
-def test_batch_invariance_and_seeds(tiny_engine):
+def check_batch_invariance_and_seeds(engine) -> None:
+    """`mixed_items` decoded together twice (seeds reproduce) and each alone in another slot:
+    the same tokens, logprobs within float32 rounding."""
     items = mixed_items(np.random.default_rng(0))
-    together = run(tiny_engine, items)
-    again = run(tiny_engine, items)
+    together = run(engine, items)
+    again = run(engine, items)
     for slot, _, st in items:
         assert together[slot][0] == again[slot][0], f"seed {st.seed} not reproducible"
     for i, (slot, prompt, st) in enumerate(items):
-        alone_slot = (slot + 1 + i) % tiny_engine.config.max_slots  # another slot, alone
-        alone = run(tiny_engine, [(alone_slot, prompt, st)])[alone_slot]
+        alone_slot = (slot + 1 + i) % engine.config.max_slots  # another slot, alone
+        alone = run(engine, [(alone_slot, prompt, st)])[alone_slot]
         assert alone[0] == together[slot][0], f"item {i} ({st}) differs alone"
         np.testing.assert_allclose(alone[1], together[slot][1], rtol=1e-4, atol=1e-5)
+
+
+def test_batch_invariance_and_seeds(tiny_engine):
+    check_batch_invariance_and_seeds(tiny_engine)
 
 
 def test_sampled_tokens_differ_by_seed(tiny_engine):

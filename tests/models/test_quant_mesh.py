@@ -10,7 +10,9 @@ products across devices, a different float32 summation order, as it does for the
 (tests/engine/test_engine_mesh.py compares float greedy tokens for the same reason): its
 difference from one device is float32 rounding (measured 3e-6 absolute for the int8 model and
 2-3e-6 for the float one), bounded here by 1e-5 of the logits' range, and the greedy tokens
-are identical.
+are identical. The same holds for an int8 KV cache (`models/kv_quant.py`): a prompt read
+through int8 page pools, replicated on the data mesh and split over the kv heads on the
+tensor-parallel one.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def child_main() -> None:
     from flax import nnx
 
     from metrale_jax.config import ModelConfig
-    from metrale_jax.engine.sharding import make_mesh, shard_params
+    from metrale_jax.engine.sharding import make_mesh, page_pool_sharding, shard_params
     from metrale_jax.models.quantized_model import quantize_state
+    from metrale_jax.models.ragged import sequence_logits
     from metrale_jax.models.transformer import Transformer
     from metrale_jax.models.unrolled import forward_layers, split_layers
 
@@ -48,6 +51,16 @@ def child_main() -> None:
     for mesh in [(8, 1), (2, 4)]:
         sharded = shard_params(layers, make_mesh(*mesh))
         report[str(mesh)] = np.asarray(run(sharded)).tolist()
+    # The int8 KV cache: a prompt in two chunks through int8 pools, on one device and with
+    # the pools sharded as the engine shards them (kv heads on "model" when they divide it).
+    ids = np.random.default_rng(1).integers(0, 512, 40).tolist()
+    kv = dict(page_size=8, chunk=16, cache_dtype=jnp.int8)
+    report["kv/one"] = np.asarray(sequence_logits(graph, layers, ids, **kv)).tolist()
+    for mesh in [(8, 1), (2, 4)]:
+        m = make_mesh(*mesh)
+        report[f"kv/{mesh}"] = np.asarray(sequence_logits(
+            graph, shard_params(layers, m), ids, **kv,
+            pool_sharding=page_pool_sharding(cfg, 1, 8, m))).tolist()
     layer = sharded.layers[0]  # on (2, 4)
     report["specs"] = {
         f"{m}/{w}": [str(x) for x in layer[m][w][...].sharding.spec]
@@ -62,13 +75,23 @@ def report() -> dict:
     return run_child(__file__, "{}", timeout=600)
 
 
-def test_sharded_int8_equals_one_device(report):
+def _check_meshes(report: dict, prefix: str) -> None:
+    """The data mesh's logits equal one device's bit for bit; the tensor-parallel mesh's are
+    within float32 rounding (1e-5 of the range) and give the same argmaxes."""
     import numpy as np
-    one = np.asarray(report["one"])
-    np.testing.assert_array_equal(np.asarray(report["(8, 1)"]), one)  # bit for bit
-    tp = np.asarray(report["(2, 4)"])
+    one = np.asarray(report[f"{prefix}one"])
+    np.testing.assert_array_equal(np.asarray(report[f"{prefix}(8, 1)"]), one)  # bit for bit
+    tp = np.asarray(report[f"{prefix}(2, 4)"])
     assert np.abs(tp - one).max() <= 1e-5 * np.abs(one).max()
     assert (tp.argmax(-1) == one.argmax(-1)).all()
+
+
+def test_sharded_int8_equals_one_device(report):
+    _check_meshes(report, "")
+
+
+def test_int8_kv_cache_sharded_equals_one_device(report):
+    _check_meshes(report, "kv/")
 
 
 def test_scales_shard_with_their_weights_output_axes(report):

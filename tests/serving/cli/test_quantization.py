@@ -1,5 +1,6 @@
-"""`--quantization` on `metrale serve`, `generate` and `convert` (`models/quant.py`): a bad
-value exits 2 naming the choices; `convert --quantization int8` stores the int8 arrays, which
+"""`--quantization` on `metrale serve`, `generate` and `convert` (`models/quant.py`) and
+`--kv-cache-dtype` on `serve` and `generate` (`models/kv_quant.py`): a bad value exits 2 naming
+the choices; `convert --quantization int8` stores the int8 arrays, which
 load quantized without the flag."""
 
 from __future__ import annotations
@@ -31,6 +32,27 @@ def test_serve_passes_it_to_the_engine():
         return server_settings(args)
     assert settings("--quantization", "int8").engine_options["quantization"] == "int8"
     assert "quantization" not in settings().engine_options
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_bad_kv_cache_dtype_exits_2_naming_the_choices(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--kv-cache-dtype", "fp8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype: invalid choice: 'fp8'" in err and "'int8'" in err
+
+
+def test_serve_passes_the_kv_cache_dtype_to_the_engine():
+    from serving.cli.serve import check_flags, server_settings
+
+    def options(*flags: str) -> dict:
+        args = build_parser().parse_args(["serve", *flags])
+        check_flags(args)
+        return server_settings(args).engine_options
+    assert options("--kv-cache-dtype", "int8")["cache_dtype"] == "int8"
+    assert "cache_dtype" not in options() and "cache_dtype" not in options(
+        "--kv-cache-dtype", "auto")
 
 
 def _same(a, b) -> None:
