@@ -95,7 +95,7 @@ class Engine:
         graphdef, params: the split NNX `Transformer` (stacked `[L, ...]` params, on one
             device or already sharded, e.g. by a sharded orbax restore); they are cast to
             `engine_config.dtype`, split per layer once and placed on the mesh
-            (`engine.params` is that `LayerParams`).
+            (`engine.params` is that `LayerParams`, its states as plain dicts of arrays).
         engine_config: slots, lengths, buckets, dtypes, mesh, memory (max_slots / max_len None
             = chosen by the memory plan).
         placement: a `Placement` already computed for this model and config (e.g. before
@@ -148,7 +148,12 @@ class Engine:
         split = split_seq2seq if self.encoder_decoder else split_layers
         self.graph, layers = split(graphdef, params)
         del params
-        self.params = shard_params(layers, self.mesh)
+        # Plain dicts of arrays, not nnx States: every step's call flattens the params, which
+        # JAX does in C++ for dicts but through Python for States (483 leaves on the default
+        # model: 0.46 ms a step, about 5% of an int8 decode step).
+        self.params = shard_params(LayerParams(
+            nnx.to_pure_dict(layers.outer),
+            tuple(nnx.to_pure_dict(layer) for layer in layers.layers)), self.mesh)
         del layers
         self.vision_params = None
         if vision is not None:

@@ -49,7 +49,7 @@ inline float dot(const float* a, const T* b, int64_t D) {
   if (D >= VW) {
     vf acc{};
     for (; d + VW <= D; d += VW) acc += load_f(a + d) * load_row(b + d);
-    s = metrale::hsum_tree(acc);
+    for (int i = 0; i < VW; ++i) s += acc[i];
   }
   for (; d < D; ++d) s += a[d] * static_cast<float>(b[d]);
   return s;

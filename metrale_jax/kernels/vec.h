@@ -46,20 +46,4 @@ inline void store_f(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline vf splat(float s) { return vf{} + s; }
 
-// The sum of v's lanes by halving (16 -> 8 -> 4 -> 2 -> 1): four dependent adds where a lane
-// by lane loop has sixteen (the compiler may not reorder float adds into a tree itself).
-inline float hsum_tree(vf v) {
-  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-  typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-  v8 a, b;
-  std::memcpy(&a, &v, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof(a), sizeof(b));
-  a += b;
-  v4 c, d;
-  std::memcpy(&c, &a, sizeof(c));
-  std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof(c), sizeof(d));
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
 }  // namespace metrale
