@@ -104,8 +104,13 @@ void kn_columns(const float* x, const int8_t* q, const float* scale, float* y, i
   const int64_t nv = n0 + (n1 - n0) / VW * VW;
   if (nv > n0) {
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) kn_panel<MR>(x, q, scale, y, K, N, m, n0, nv);
+    // Each pass walks the columns' weights once. Five rows left take one pass of five (its
+    // 20 + 5 vectors still fit AVX-512's registers) rather than four and a lone one: a
+    // speculative verify of 4 drafts feeds 5 rows. A row's arithmetic is the same in any
+    // pass, so its result does not depend on the others.
+    for (; m + MR <= M && M - m != MR + 1; m += MR) kn_panel<MR>(x, q, scale, y, K, N, m, n0, nv);
     switch (M - m) {
+      case 5: kn_panel<5>(x, q, scale, y, K, N, m, n0, nv); break;
       case 3: kn_panel<3>(x, q, scale, y, K, N, m, n0, nv); break;
       case 2: kn_panel<2>(x, q, scale, y, K, N, m, n0, nv); break;
       case 1: kn_panel<1>(x, q, scale, y, K, N, m, n0, nv); break;

@@ -47,12 +47,24 @@ def assert_close(y: np.ndarray, x: np.ndarray, q: np.ndarray, scale: np.ndarray)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["q[K,N]", "q[N,K]"])
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 5, 17, 64])
 def test_kernel_matches_reference(m: int, transposed: bool) -> None:
     x, q, scale = operands(m, K, N)
     w = np.ascontiguousarray(q.T) if transposed else q
     y = jax.jit(int8_matmul.int8_matmul, static_argnums=3)(x, w, scale, transposed)
     assert_close(np.asarray(y), x, q, scale)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["q[K,N]", "q[N,K]"])
+def test_a_row_gives_the_same_bits_in_any_number_of_rows(transposed: bool) -> None:
+    """Rows are grouped in passes of 4 (5 when 5 are left): each row's result is the same
+    bits whatever the call's row count."""
+    x, q, scale = operands(13, 600, 200, seed=2)
+    w = np.ascontiguousarray(q.T) if transposed else q
+    run = jax.jit(int8_matmul.int8_matmul, static_argnums=3)
+    full = np.asarray(run(x, w, scale, transposed))
+    for m in (1, 4, 5, 6, 9):
+        np.testing.assert_array_equal(np.asarray(run(x[:m], w, scale, transposed)), full[:m])
 
 
 def test_kernel_wide_rows() -> None:
