@@ -83,7 +83,8 @@ def verify_step(graph, sc: SampleConfig, shape: VerifyShape, params, state: Deco
     rows_c = jnp.where(real_c, row_ids.reshape(-1)[order], -1)
     safe_rows = jnp.clip(rows_c, 0, B - 1)
     slots = _slot_of(page_table[safe_rows], pos_c, real_c, page_size)
-    if decode_kernel_applies(state.pages[0].dtype):
+    compute = params.outer["final_norm"]["weight"][...].dtype  # the queries' dtype
+    if decode_kernel_applies(compute, state.pages[0].dtype):
         # Where decode attention is the CPU kernel, each verify token is a decode row of its
         # own (its row's pages, its position + 1 visible; the row's earlier tokens of this
         # step are written before attention): the arithmetic decoding gives that position.

@@ -89,11 +89,13 @@ def decode_block_pages(page_size: int, block: int = 64) -> int:
     return max(1, block // page_size)
 
 
-def decode_kernel_applies(dtype) -> bool:
+def decode_kernel_applies(dtype, pages_dtype=None) -> bool:
     """Whether `decode_attention` runs the C++ kernel (`kernels/decode_attention.py`) for
-    queries and pages of `dtype`: float32 on a single-device CPU backend (a mesh keeps the XLA
-    loop, which its SPMD partitioner can split), with the kernel enabled and built."""
-    if dtype != jnp.float32:
+    queries of `dtype` and pages of `pages_dtype` (None: `dtype`): float32 queries over float32
+    or int8 pages, on a single-device CPU backend (a mesh keeps the XLA loop, which its SPMD
+    partitioner can split), with the kernel enabled and built."""
+    pages_dtype = dtype if pages_dtype is None else pages_dtype
+    if dtype != jnp.float32 or not (pages_dtype == dtype or is_quantized(pages_dtype)):
         return False
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
@@ -130,8 +132,7 @@ def decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_l
     `kv_len - 1 - kp < w` (blocks wholly before every row's window are skipped). Scores:
     `s * sm_scale`, then `soft_cap * tanh(s / soft_cap)`. Returns `[n, H, D]` in q's dtype.
     """
-    if (kernel and (q.dtype == pages.dtype or is_quantized(pages.dtype))
-            and decode_kernel_applies(q.dtype)):
+    if kernel and decode_kernel_applies(q.dtype, pages.dtype):
         from metrale_jax.kernels import decode_attention as cpu_kernel
         return cpu_kernel.decode_attention(q, pages, page_table, kv_lens, sm_scale=sm_scale,
                                            sliding_window=sliding_window, soft_cap=soft_cap)

@@ -1,7 +1,8 @@
 """The engine with an int8 KV cache (`EngineConfig(cache_dtype="int8")`, models/kv_quant.py):
 its pools hold int8 rows with their scales, a request's tokens are the same alone and in any
 batch (seeded sampling included), greedy decoding follows the model read through an int8
-cache, and the memory plan counts the int8 rows' bytes."""
+cache, speculative verify steps give decode's tokens, and the memory plan counts the int8
+rows' bytes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from metrale_jax.models.ragged import sequence_logits
 from metrale_jax.models.transformer import Transformer
 from tests.engine.conftest import TINY, make_engine
 from tests.engine.test_engine import check_batch_invariance_and_seeds, run
+from tests.engine.test_speculative import SAMPLED, K, _decode, _speculate
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def int8_engine():
     """The tiny Llama of the engine tests (logits scaled up for clear argmaxes), int8 cache."""
     graphdef, params = nnx.split(Transformer(TINY, rngs=nnx.Rngs(0)))
     params = jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, params)
-    return make_engine(TINY, graphdef, params, cache_dtype="int8")
+    return make_engine(TINY, graphdef, params, cache_dtype="int8", speculative_tokens=K)
 
 
 def test_pools_hold_int8_rows_with_their_scales(int8_engine):
@@ -52,6 +54,20 @@ def test_greedy_follows_the_model_read_through_an_int8_cache(int8_engine):
                              chunk=32)
     forced = np.asarray(jnp.argmax(logits[len(prompt) - 1:], -1)).tolist()
     assert forced == out
+
+
+def test_verify_matches_decode_with_an_int8_cache(int8_engine):
+    """Speculative verify steps give the tokens decode steps give (greedy and seeded), each
+    verify token attending as a decode row through the kernel's int8 target."""
+    from metrale_jax.kernels import decode_attention as cpu_kernel
+    for settings in (SlotSettings(), SAMPLED):
+        reference = _decode(int8_engine, settings)
+        tokens, accepted = _speculate(int8_engine, settings, reference)
+        assert tokens == reference, settings.temperature
+        assert accepted >= 10
+    if cpu_kernel.available():
+        hlo = int8_engine._verify_exe(int8_engine.config.max_slots).as_text()
+        assert cpu_kernel.TARGET_INT8 in hlo
 
 
 def test_memory_plan_counts_int8_rows():
