@@ -1,6 +1,6 @@
-"""int8 weight-only quantization on the default model: quality, decode and prefill speed vs float32.
+"""Weight-only quantization on the default model: quality, decode and prefill speed vs float32.
 
-    python bench/quantization.py                  # float32, int8 and int8-all, side by side
+    python bench/quantization.py                  # float32, int8, int8-all and int4
     python bench/quantization.py --modes int8     # float32 and int8 only
 
 Per weight mode, in one run on the same machine (needs `metrale pull`):
@@ -29,6 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from metrale_jax.config import QUANTIZATIONS  # noqa: E402
 from metrale_jax.engine import Engine, EngineConfig, SlotSettings  # noqa: E402
 from metrale_jax.models.transformer import forward  # noqa: E402
 from metrale_jax.weights.checkpoint import load_checkpoint  # noqa: E402
@@ -102,8 +103,8 @@ def greedy_decode(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="+", default=["int8", "int8-all"],
-                    choices=["int8", "int8-all"], help="quantization modes beside float32")
+    ap.add_argument("--modes", nargs="+", default=list(QUANTIZATIONS), choices=QUANTIZATIONS,
+                    help="quantization modes beside float32")
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens to decode")
     ap.add_argument("--ppl-tokens", type=int, default=2048, help="README tokens scored")
     ap.add_argument("--window", type=int, default=512, help="perplexity window")

@@ -19,7 +19,7 @@ from metrale_jax.vision_config import VisionConfig
 Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "m2m_100"]
 ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
                                   "m2m_100")
-QUANTIZATIONS: tuple[str, ...] = ("int8", "int8-all")
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int8-all", "int4")
 """Weight quantization modes (`ModelConfig.quantization`; see `models/quant.py`)."""
 
 
@@ -65,8 +65,10 @@ class ModelConfig:
 
     Storage:
         quantization: None (float weights), "int8" (the linear layers' weights int8 with
-            per-output-channel scales) or "int8-all" (the embedding and LM head too); see
-            `models/quant.py`. Decoder-only models.
+            per-output-channel scales), "int8-all" (the embedding and LM head too; see
+            `models/quant.py`) or "int4" (the linear layers 4-bit in blocks of 32 inputs with
+            float16 scales and minimums, llama.cpp's Q4_1; the embedding and LM head int8;
+            see `models/quant4.py`). Decoder-only models.
     """
 
     architecture: Architecture
@@ -116,9 +118,14 @@ class ModelConfig:
             raise CheckpointError(f"model config: quantization must be one of {QUANTIZATIONS} "
                                   f"or None, not {self.quantization!r}")
         if self.quantization and self.encoder_decoder is not None:
-            raise InvalidParameterError("int8 quantization is for decoder-only models; this "
+            raise InvalidParameterError("weight quantization is for decoder-only models; this "
                                         "is an encoder-decoder (translation) model",
                                         param="quantization")
+        if self.quantization == "int4":
+            from metrale_jax.models.quant4 import check_inputs
+            for k in (self.hidden_size, self.intermediate_size,
+                      self.num_heads * self.head_dim):
+                check_inputs(k)
 
     @classmethod
     def for_m2m100(cls, m2m: M2M100Config) -> ModelConfig:

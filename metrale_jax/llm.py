@@ -72,7 +72,7 @@ class LLM:
             redirects of each image (its max_images is the engine's `max_images`).
         Further keyword arguments go to `EngineConfig`; e.g. `quantization="int8"`: int8
             weights with per-output-channel scales, quantized while loading
-            (`models/quant.py`).
+            (`models/quant.py`), or `"int4"`: 4-bit blocks (`models/quant4.py`).
 
     The mesh and memory plan are decided while the checkpoint loads, before any weight is
     read: an impossible configuration raises `MemoryPlanError` here, and an orbax

@@ -52,8 +52,9 @@ class EngineConfig:
         "bfloat16" or "int8" (each key and value head of each token stored int8 with a float32
         scale, `models/kv_quant.py`: a quarter of float32's bytes per token, plus 4 a row).
     quantization: None, "int8" or "int8-all": int8 weights with per-output-channel scales
-        (`models/quant.py`; the loaders quantize while loading, the engine quantizes a float
-        model it is given). A model already quantized keeps its own.
+        (`models/quant.py`); "int4": 4-bit linear layers in blocks of 32 (`models/quant4.py`).
+        The loaders quantize while loading, the engine quantizes a float model it is given;
+        a model already quantized keeps its own.
     compilation_cache_dir: JAX's persistent compilation cache folder (None = off); defaults to
         $METRALE_JAX_CACHE or ~/.cache/metrale/jax.
     num_top_logprobs: N, the top log-probabilities returned for every sampled token.

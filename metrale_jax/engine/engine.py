@@ -60,6 +60,7 @@ from metrale_jax.engine.sharding import abstract_params, replicated, shard_param
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput, settings_to_arrays
 from metrale_jax.engine.step_cost import StepCost
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
+from metrale_jax.models.quant4 import is_block_scale
 from metrale_jax.models.seq2seq_ragged import split_seq2seq
 from metrale_jax.models.unrolled import LayerParams, split_layers
 
@@ -124,9 +125,11 @@ class Engine:
             model_config, graphdef, params = quantize_state(model_config, params,
                                                             cfg.quantization)
             self.model_config = model_config
-        # int8 weights (models/quant.py) keep their dtype; floats take the compute dtype.
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype) if jnp.issubdtype(
-            x.dtype, jnp.floating) else jnp.asarray(x), params)
+        # Quantized weights keep their dtype, and so do int4 block scales (float16,
+        # models/quant4.py); other floats take the compute dtype.
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.asarray(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+            and not is_block_scale(path, x) else jnp.asarray(x), params)
         # Per-layer params (models.unrolled): the stacked copy is dropped once split. An
         # encoder-decoder splits its decoder the same way (models/seq2seq_ragged.py).
         self.encoder_decoder = model_config.is_encoder_decoder

@@ -144,16 +144,21 @@ def _sizes(mesh_shape: tuple[int, int]) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=32)
 def _param_elements_per_device(cfg: ModelConfig, mesh_shape: tuple[int, int]) -> tuple[int, int]:
-    """(float elements, int8 elements) of one device's share of `cfg`'s params (int8: the
-    weights `cfg.quantization` quantizes; their scales are float)."""
+    """(float elements, bytes of the rest) of one device's share of `cfg`'s params: the rest
+    are the weights `cfg.quantization` quantizes (int8, or int4 packed two a byte) and an
+    int4 weight's float16 block scales, which keep their dtype (other scales are float)."""
     _, abstract = abstract_model(cfg)
     sizes = _sizes(mesh_shape)
     specs = jax.tree.leaves(param_specs(abstract, sizes),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
-    counts = [0, 0]
+    floats = fixed = 0
     for x, spec in zip(jax.tree.leaves(abstract), specs, strict=True):
-        counts[x.dtype == jnp.int8] += math.prod(shard_shape(x.shape, spec, sizes))
-    return counts[0], counts[1]
+        n = math.prod(shard_shape(x.shape, spec, sizes))
+        if x.dtype in (jnp.int8, jnp.uint8, jnp.float16):
+            fixed += n * x.dtype.itemsize
+        else:
+            floats += n
+    return floats, fixed
 
 
 @functools.lru_cache(maxsize=8)
@@ -167,14 +172,15 @@ def param_bytes_per_device(cfg: ModelConfig, itemsize: int, mesh_shape: tuple[in
                            quantization: str | None = None) -> int:
     """Bytes of one device's share of the params (`itemsize` bytes per float element),
     replicated tensors counted whole (a vision-language model's vision encoder is replicated).
-    `quantization` ("int8" / "int8-all", or `cfg.quantization` when None): the weights it
-    quantizes count 1 byte per element, their per-output-channel scales `itemsize` (the engine
-    casts float params, scales too, to the compute dtype; `models/quant.py`)."""
+    `quantization` ("int8" / "int8-all" / "int4", or `cfg.quantization` when None): int8
+    weights count 1 byte per element and their per-output-channel scales `itemsize` (the
+    engine casts float params, those scales too, to the compute dtype; `models/quant.py`);
+    int4 weights half a byte and their float16 block scales 2 bytes (`models/quant4.py`)."""
     if quantization is not None and cfg.quantization is None:
         cfg = dataclasses.replace(cfg, quantization=quantization)
     vision = _vision_elements(cfg) if cfg.vision is not None else 0
-    floats, int8s = _param_elements_per_device(cfg, tuple(mesh_shape))
-    return (floats + vision) * itemsize + int8s
+    floats, fixed = _param_elements_per_device(cfg, tuple(mesh_shape))
+    return (floats + vision) * itemsize + fixed
 
 
 def image_bytes_per_device(cfg: ModelConfig, itemsize: int, images: int) -> int:

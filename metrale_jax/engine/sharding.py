@@ -43,6 +43,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.models.kv_cache import KV_CACHE_AXES
 from metrale_jax.models.layers import AxesTable, LogicalAxes
+from metrale_jax.models.quant import SCALE_SUFFIX
 from metrale_jax.models.transformer import TRANSFORMER_AXES
 from metrale_jax.models.unrolled import (
     LAYER_KEY_AXES,
@@ -252,25 +253,34 @@ def _lookup(table: AxesTable, names: list[str]) -> LogicalAxes:
     return node
 
 
-def param_logical_axes(params: Any, path: tuple) -> LogicalAxes:
+def param_logical_axes(params: Any, path: tuple, leaf: Any = None) -> LogicalAxes:
     """The logical axes of the leaf at `path` of `params`: stacked `[L, ...]` params (an
     `nnx.State` or its pure dict: `TRANSFORMER_AXES`) or `LayerParams` (`LAYER_PARAMS_AXES`);
     an encoder-decoder's (its `shared` embeddings tell): `M2M100_AXES` or
-    `SEQ2SEQ_LAYER_PARAMS_AXES`."""
+    `SEQ2SEQ_LAYER_PARAMS_AXES`. Given the `leaf` (anything with `.shape` and `.dtype`), an
+    int4 weight (`models/quant4.py`, uint8 `[out..., in / 2]`) takes its scale's axes (the
+    output ones) then an unsharded one, and its block scales `[out..., in / 32, 2]` the
+    output axes then two unsharded ones."""
     from metrale_jax.models.m2m100 import M2M100_AXES
     from metrale_jax.models.seq2seq_ragged import SEQ2SEQ_LAYER_PARAMS_AXES
     if isinstance(params, LayerParams):
         table = SEQ2SEQ_LAYER_PARAMS_AXES if "shared" in params.outer else LAYER_PARAMS_AXES
     else:
         table = M2M100_AXES if "shared" in params else TRANSFORMER_AXES
-    return _lookup(table, _path_names(path))
+    names = _path_names(path)
+    axes = _lookup(table, names)
+    if leaf is not None and leaf.dtype == np.uint8:
+        return (*_lookup(table, [*names[:-1], names[-1] + SCALE_SUFFIX]), None)
+    if leaf is not None and len(leaf.shape) == len(axes) + 2:
+        return (*axes, None, None)
+    return axes
 
 
 def param_specs(params: Any, mesh: MeshLike) -> Any:
     """The `PartitionSpec` of every param: a pytree of `params`' structure (leaves may be
     arrays or `jax.ShapeDtypeStruct`s; anything with `.shape`)."""
     def one(path, x):
-        return partition_spec(param_logical_axes(params, path), mesh, x.shape)
+        return partition_spec(param_logical_axes(params, path, x), mesh, x.shape)
     return jax.tree_util.tree_map_with_path(one, params)
 
 

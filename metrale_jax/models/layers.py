@@ -25,7 +25,7 @@ from metrale_jax.models.quant import (
     SCALE_SUFFIX,
     qeinsum,
     qmatmul,
-    quantize,
+    quantize_weight,
     scale_axes,
 )
 
@@ -35,22 +35,24 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float
 
 
 def init_linear(module: nnx.Module, name: str, rngs: nnx.Rngs, shape: tuple[int, ...],
-                n_in: int, dtype: jnp.dtype, quantized: bool) -> None:
+                n_in: int, dtype: jnp.dtype, quantization: str | None) -> None:
     """Sets `module.<name>`, a random linear weight of `shape` (its first `n_in` axes the
-    input ones); `quantized`: int8 with its float32 scale `module.<name>_scale` (shape: the
-    output axes), see `models/quant.py`."""
+    input ones), stored as `quantization` says: None float; "int8" / "int8-all" int8 with
+    its float32 scale `module.<name>_scale` (shape: the output axes), see `models/quant.py`;
+    "int4" packed 4-bit codes `[out..., in / 2]` with block scales `[out..., in / 32, 2]`
+    (`models/quant4.py`)."""
     w = _normal(rngs, shape, dtype)
-    if not quantized:
+    if quantization is None:
         setattr(module, name, w)
         return
-    q, scale = quantize(w[...], tuple(range(n_in)))
+    q, scale = quantize_weight(w[...], tuple(range(n_in)), quantization)
     setattr(module, name, nnx.Param(q))
     setattr(module, name + SCALE_SUFFIX, nnx.Param(scale))
 
 
 def linear_weight(module: nnx.Module, name: str) -> tuple[jax.Array, jax.Array | None]:
     """`(weight, scale)` of linear weight `name` of `module`: scale None for a float weight,
-    the per-output-channel scale of an int8 one."""
+    the per-output-channel scale of an int8 one, the block scales of an int4 one."""
     scale = getattr(module, name + SCALE_SUFFIX, None)
     return getattr(module, name)[...], None if scale is None else scale[...]
 
@@ -183,9 +185,8 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         E, F = cfg.hidden_size, cfg.intermediate_size
-        quantized = cfg.quantization is not None
         for name, shape in (("gate", (E, F)), ("up", (E, F)), ("down", (F, E))):
-            init_linear(self, name, rngs, shape, MLP_LINEAR[name], dtype, quantized)
+            init_linear(self, name, rngs, shape, MLP_LINEAR[name], dtype, cfg.quantization)
         self.act = cfg.hidden_act
 
     def __call__(self, x: jax.Array, lora: LoraDelta | None = None) -> jax.Array:
@@ -219,10 +220,10 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        quantized = cfg.quantization is not None
         for name, shape in (("q_proj", (E, H, D)), ("k_proj", (E, K, D)),
                             ("v_proj", (E, K, D)), ("o_proj", (H, D, E))):
-            init_linear(self, name, rngs, shape, ATTENTION_LINEAR[name], dtype, quantized)
+            init_linear(self, name, rngs, shape, ATTENTION_LINEAR[name], dtype,
+                        cfg.quantization)
         if cfg.attention_bias:
             self.q_bias = nnx.Param(jnp.zeros((H, D), dtype))
             self.k_bias = nnx.Param(jnp.zeros((K, D), dtype))
@@ -354,6 +355,8 @@ class Attention(nnx.Module):
         as one `[H*D, E]` matmul: an einsum over (h, d) makes XLA:CPU transpose o_proj every
         step."""
         o_proj, scale = linear_weight(self, "o_proj")
+        if o_proj.dtype == jnp.uint8:  # int4, stored [E, H * D / 2] (models/quant4.py)
+            return qmatmul(out, o_proj, scale)
         return qmatmul(out, o_proj.reshape(-1, o_proj.shape[-1]), scale)
 
 

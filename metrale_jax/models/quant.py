@@ -45,7 +45,9 @@ the head's error lands directly on every logit (and, tied, the embedding's on ev
 where the layers' errors are damped by the residual stream and the norms; measured on the
 default model, int8-all's max logit error is 0.100 against int8's 0.086 (bench/quantization.py).
 The head is a large share of a small model's weights (SmolLM2-135M: 28M of 135M, read whole
-every token), so "int8-all" is the choice where weight bytes matter most.
+every token), so "int8-all" is the choice where weight bytes matter most. Mode "int4" stores
+the linear layers 4-bit (`models/quant4.py`, its own kernel) and the embedding and LM head
+int8 as "int8-all" does; `qmatmul` / `qeinsum` tell an int4 weight by its dtype (uint8).
 """
 
 from __future__ import annotations
@@ -78,8 +80,20 @@ def check_quantization(value: str | None) -> str | None:
 
 
 def quantizes_embeddings(mode: str | None) -> bool:
-    """Whether `mode` quantizes the embedding and the LM head too."""
-    return mode == "int8-all"
+    """Whether `mode` quantizes the embedding and the LM head too (int8, per row)."""
+    return mode in ("int8-all", "int4")
+
+
+def quantize_weight(w: Any, in_axes: tuple[int, ...], mode: str | None,
+                    linear: bool = True) -> tuple[Any, Any]:
+    """`(stored weight, scale)` of the float `w` (numpy or jax; its `in_axes` the inputs) in
+    `mode`: int8 and its per-output-channel scale (`quantize`), or for a linear layer of
+    mode "int4" the packed codes and block scales (`models/quant4.py`). `linear` False: the
+    embedding / LM head, int8 in every mode."""
+    if mode == "int4" and linear:
+        from metrale_jax.models.quant4 import quantize4
+        return quantize4(w, in_axes)
+    return quantize(w, in_axes)
 
 
 def quantize(w: Any, in_axes: tuple[int, ...]) -> tuple[Any, Any]:
@@ -107,14 +121,18 @@ dot) is faster: measured on the default model's forward, the kernel wins up to 4
 loses from 64 on (module docstring)."""
 
 
-def _use_kernel(x: jax.Array, n_in: int) -> bool:
-    """Whether the CPU int8 kernel serves a product of `x`'s last `n_in` axes: float32 x of at
+def kernel_serves(x: jax.Array, n_in: int, kind: str = "int8") -> bool:
+    """Whether a CPU kernel (`kind` "int8": `kernels/int8_matmul.py`, "int4":
+    `kernels/int4_matmul.py`) serves a product of `x`'s last `n_in` axes: float32 x of at
     most `KERNEL_MAX_ROWS` rows on a single-device CPU backend (a mesh keeps XLA's form, which
     its SPMD partitioner can split), and the kernel is enabled and built."""
     if x.dtype != jnp.float32 or jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     if math.prod(x.shape[:x.ndim - n_in]) > KERNEL_MAX_ROWS:
         return False
+    if kind == "int4":
+        from metrale_jax.kernels import int4_matmul
+        return int4_matmul.available()
     from metrale_jax.kernels import int8_matmul
     return int8_matmul.available()
 
@@ -133,12 +151,16 @@ def _kernel_matmul(x: jax.Array, n_in: int, w: jax.Array, scale: jax.Array,
 
 
 def qmatmul(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
-    """`x [..., in] @ w [in, out]` for a float (scale None) or int8 `w` with `scale [out]`;
-    the result is in x's dtype. On a single CPU device the int8 product of few rows runs
-    the C++ kernel (`kernels/int8_matmul.py`)."""
+    """`x [..., in] @ w [in, out]` for a float (scale None) or int8 `w` with `scale [out]`,
+    or an int4 `w [out, in / 2]` with its `scale [out, in / 32, 2]` (`models/quant4.py`);
+    the result is in x's dtype. On a single CPU device the product of few rows runs a C++
+    kernel (`kernels/int8_matmul.py`, `kernels/int4_matmul.py`)."""
     if scale is None:
         return x @ w
-    if _use_kernel(x, 1):
+    if w.dtype == jnp.uint8:
+        from metrale_jax.models.quant4 import int4_product
+        return int4_product(x, 1, w, scale)
+    if kernel_serves(x, 1):
         return _kernel_matmul(x, 1, w, scale, transposed=False)
     return (x @ w.astype(x.dtype)) * scale.astype(x.dtype)
 
@@ -169,12 +191,18 @@ def _einsum_layout(spec: str) -> tuple[int, bool] | None:
 
 def qeinsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a float or int8 `w` whose scale matches the trailing axes
-    of the result (e.g. "bte,ehd->bthd" with scale [H, D]). On a single CPU device the int8
-    product of few rows runs the C++ kernel for the specs `_einsum_layout` maps onto it."""
+    of the result (e.g. "bte,ehd->bthd" with scale [H, D]), or an int4 `w` (stored
+    `[out..., in / 2]`, `models/quant4.py`) for a spec `_einsum_layout` maps to [in, out].
+    On a single CPU device the product of few rows runs a C++ kernel for those specs."""
     if scale is None:
         return jnp.einsum(spec, x, w)
     layout = _einsum_layout(spec)
-    if layout is not None and _use_kernel(x, layout[0]):
+    if w.dtype == jnp.uint8:
+        if layout is None or layout[1]:
+            raise ValueError(f"int4 weights take an [in, out] einsum, not {spec!r}")
+        from metrale_jax.models.quant4 import int4_product
+        return int4_product(x, layout[0], w, scale)
+    if layout is not None and kernel_serves(x, layout[0]):
         return _kernel_matmul(x, layout[0], w, scale, transposed=layout[1])
     return jnp.einsum(spec, x, w.astype(x.dtype)) * scale.astype(x.dtype)
 
@@ -202,5 +230,5 @@ def scale_axes(axes: dict, linear: dict[str, int]) -> dict:
 
 
 __all__ = ["ATTENTION_LINEAR", "KERNEL_MAX_ROWS", "MLP_LINEAR", "QUANTIZATIONS", "SCALE_SUFFIX",
-           "check_quantization", "dequantize", "qeinsum", "qmatmul", "quantize",
-           "quantizes_embeddings", "scale_axes", "stacked_in_axes"]
+           "check_quantization", "dequantize", "kernel_serves", "qeinsum", "qmatmul", "quantize",
+           "quantize_weight", "quantizes_embeddings", "scale_axes", "stacked_in_axes"]

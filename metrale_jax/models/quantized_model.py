@@ -1,5 +1,6 @@
 """A whole float model quantized: `quantize_state` turns a `Transformer`'s params into the
-same model with int8 linear weights (`models/quant.py` holds the format and the matmuls).
+same model with int8 or int4 linear weights (`models/quant.py` and `models/quant4.py` hold
+the formats and the matmuls).
 
 Kept apart from `models/quant.py`, which the layers import: this module builds the quantized
 model's abstract state from `models/transformer.py`, which imports the layers.
@@ -18,7 +19,7 @@ from flax import nnx
 from metrale_jax.models.quant import (
     SCALE_SUFFIX,
     check_quantization,
-    quantize,
+    quantize_weight,
     stacked_in_axes,
 )
 from metrale_jax.models.transformer import abstract_model
@@ -26,7 +27,8 @@ from metrale_jax.models.transformer import abstract_model
 
 def quantize_state(cfg: Any, params: Any, mode: str) -> tuple[Any, Any, Any]:
     """A float `Transformer`'s stacked params (`nnx.State`, on the host or a device) ->
-    `(cfg, graphdef, params)` of the same model quantized with `mode` ("int8" / "int8-all").
+    `(cfg, graphdef, params)` of the same model quantized with `mode` ("int8" / "int8-all" /
+    "int4").
     Each weight is quantized in numpy on the host, one stacked tensor at a time; the other
     params are kept as they are."""
     check_quantization(mode)
@@ -42,9 +44,10 @@ def quantize_state(cfg: Any, params: Any, mode: str) -> tuple[Any, Any, Any]:
                 out[key] = fill(leaf, have[key], (*path, key))
             elif key.endswith(SCALE_SUFFIX):
                 continue
-            elif leaf.dtype == jnp.int8:
-                q, scale = quantize(np.asarray(jax.device_get(have[key]), np.float32),
-                                    stacked_in_axes((*path, key)))
+            elif leaf.dtype in (jnp.int8, jnp.uint8):
+                q, scale = quantize_weight(np.asarray(jax.device_get(have[key]), np.float32),
+                                           stacked_in_axes((*path, key)), mode,
+                                           linear=bool(path))
                 out[key], out[key + SCALE_SUFFIX] = jnp.asarray(q), jnp.asarray(scale)
             else:
                 out[key] = have[key]

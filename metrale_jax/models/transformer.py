@@ -94,9 +94,9 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        # int8 embeddings ("int8-all"): per-row scales `embed_scale [V]`, as the head's.
+        # int8 embeddings ("int8-all", "int4"): per-row scales `embed_scale [V]`, as the head's.
         quant_embed = quantizes_embeddings(cfg.quantization)
-        init_linear(self, "embed", rngs, (cfg.vocab_size, cfg.hidden_size), 0, dtype, False)
+        init_linear(self, "embed", rngs, (cfg.vocab_size, cfg.hidden_size), 0, dtype, None)
         if quant_embed:
             from metrale_jax.models.quant import quantize
             q, scale = quantize(self.embed[...], (1,))
@@ -111,7 +111,7 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
         if not cfg.tie_word_embeddings:
             init_linear(self, "lm_head", rngs, (cfg.hidden_size, cfg.vocab_size), 1, dtype,
-                        quant_embed)
+                        "int8" if quant_embed else None)
 
     def __call__(self, tokens, positions, cache: KVCache | None = None, logits_index=None):
         cfg = self.cfg

@@ -7,6 +7,7 @@ arrays split by head, as `metrale_jax.models` declares them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError
-from metrale_jax.models.quant import SCALE_SUFFIX, quantize, stacked_in_axes
+from metrale_jax.models.quant import SCALE_SUFFIX, quantize_weight, stacked_in_axes
 from metrale_jax.models.transformer import abstract_model
 
 
@@ -67,7 +68,7 @@ def _get(tree, path: tuple[str, ...]):
 def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source: Path | str,
                     dtype: jnp.dtype = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
     """Builds `(graphdef, params)` for `cfg` from canonical tensors, cast to `dtype`; with
-    `cfg.quantization`, the weights it names are quantized to int8 in numpy as each stacked
+    `cfg.quantization`, the weights it names are quantized (int8 or int4) in numpy as each stacked
     tensor is placed (`models/quant.py`), so no float copy of them reaches the device.
 
     Raises `CheckpointError` naming `source` and the tensor when one is missing or its shape
@@ -75,6 +76,9 @@ def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source:
     """
     graphdef, abstract = abstract_model(cfg, dtype)
     want = nnx.to_pure_dict(abstract)
+    # The float shapes the checkpoint's tensors have (a quantized weight's may differ).
+    float_shapes = (nnx.to_pure_dict(abstract_model(dataclasses.replace(
+        cfg, quantization=None), dtype)[1]) if cfg.quantization else want)
 
     def take(name: str) -> np.ndarray:
         if name not in tensors:
@@ -82,13 +86,14 @@ def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source:
         return np.asarray(tensors[name])
 
     def place(path: tuple[str, ...], value: np.ndarray, name: str) -> None:
-        target = _get(want, path)
-        if tuple(value.shape) != tuple(target.shape):
+        target, shape = _get(want, path), _get(float_shapes, path).shape
+        if tuple(value.shape) != tuple(shape):
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(value.shape)}, but the config "
-                f"implies {tuple(target.shape)}")
-        if target.dtype == jnp.int8:  # cfg.quantization: int8 on the host, then placed
-            q, scale = quantize(np.asarray(value, np.float32), stacked_in_axes(path))
+                f"implies {tuple(shape)}")
+        if target.dtype in (jnp.int8, jnp.uint8):  # cfg.quantization, on the host
+            q, scale = quantize_weight(np.asarray(value, np.float32), stacked_in_axes(path),
+                                       cfg.quantization, linear=path[0] == "blocks")
             _set(out, (*path[:-1], path[-1] + SCALE_SUFFIX), jnp.asarray(scale))
             _set(out, path, jnp.asarray(q))
             return
@@ -98,7 +103,7 @@ def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source:
         try:
             return fn(w)
         except ValueError:
-            layer_shape = _get(want, ("blocks", *path)).shape[1:]
+            layer_shape = _get(float_shapes, ("blocks", *path)).shape[1:]
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(w.shape)}, which does not fit "
                 f"the config's {tuple(layer_shape)}") from None

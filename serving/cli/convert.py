@@ -34,5 +34,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("dst", help="output folder (must not exist)")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                       help="params dtype to store (default float32)")
-    add_quantization_flag(conv)  # stores the int8 arrays and scales: no float copy to load
+    add_quantization_flag(conv)  # stores the quantized arrays: no float copy to load
     conv.set_defaults(func=cmd_convert)

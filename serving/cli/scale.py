@@ -26,13 +26,15 @@ HEARTBEAT_TIMEOUT_S = 30  # jax's own dead-process detection (ours is the side c
 
 
 def add_quantization_flag(parser: argparse.ArgumentParser) -> None:
-    """Adds --quantization (int8 weights, `metrale_jax/models/quant.py`); a value not in
-    the choices exits 2 with argparse's message naming them."""
+    """Adds --quantization (int8 or int4 weights, `metrale_jax/models/quant.py` and
+    `quant4.py`); a value not in the choices exits 2 with argparse's message naming them."""
     from metrale_jax.config import QUANTIZATIONS
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                        help="store the weights int8 with per-output-channel scales, quantized "
-                             "while loading: 'int8' the linear layers, 'int8-all' the "
-                             "embedding and LM head too (default: as stored)")
+                        help="quantize the weights while loading: 'int8' the linear layers "
+                             "(per-output-channel scales), 'int8-all' the embedding and LM "
+                             "head too; 'int4' the linear layers 4-bit in blocks of 32 "
+                             "(llama.cpp's Q4_1: a Q4_1 GGUF keeps its own values) with the "
+                             "embedding and LM head int8 (default: as stored)")
 
 
 def add_kv_cache_flag(parser: argparse.ArgumentParser) -> None:

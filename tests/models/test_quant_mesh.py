@@ -12,7 +12,8 @@ difference from one device is float32 rounding (measured 3e-6 absolute for the i
 2-3e-6 for the float one), bounded here by 1e-5 of the logits' range, and the greedy tokens
 are identical. The same holds for an int8 KV cache (`models/kv_quant.py`): a prompt read
 through int8 page pools, replicated on the data mesh and split over the kv heads on the
-tensor-parallel one.
+tensor-parallel one, and for int4 weights (`models/quant4.py`), stored `[out..., in / 2]`
+and sharded on their output axes (o_proj and down, whose outputs are E, replicate).
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ def child_main() -> None:
             graph, shard_params(layers, m), ids, **kv,
             pool_sharding=page_pool_sharding(cfg, 1, 8, m))).tolist()
     layer = sharded.layers[0]  # on (2, 4)
+    # int4 weights (models/quant4.py): stored [out..., in / 2], sharded on their output axes.
+    graph4, layers4 = split_layers(*quantize_state(cfg, params, "int4")[1:])
+    run4 = jax.jit(lambda lp: forward_layers(graph4, lp, tokens, positions)[0])
+    report["int4/one"] = np.asarray(run4(layers4)).tolist()
+    for mesh in [(8, 1), (2, 4)]:
+        sharded4 = shard_params(layers4, make_mesh(*mesh))
+        report[f"int4/{mesh}"] = np.asarray(run4(sharded4)).tolist()
+    report["int4/specs"] = {
+        f"{m}/{w}": [str(x) for x in sharded4.layers[0][m][w][...].sharding.spec]
+        for m, ws in (("attn", ("q_proj", "q_proj_scale", "o_proj", "o_proj_scale")),
+                      ("mlp", ("gate", "gate_scale", "down", "down_scale")))
+        for w in ws}
     report["specs"] = {
         f"{m}/{w}": [str(x) for x in layer[m][w][...].sharding.spec]
         for m, ws in (("attn", ("q_proj", "q_proj_scale", "o_proj", "o_proj_scale")),
@@ -92,6 +105,19 @@ def test_sharded_int8_equals_one_device(report):
 
 def test_int8_kv_cache_sharded_equals_one_device(report):
     _check_meshes(report, "kv/")
+
+
+def test_sharded_int4_equals_one_device(report):
+    _check_meshes(report, "int4/")
+
+
+def test_int4_weights_shard_on_their_output_axes(report):
+    specs = report["int4/specs"]
+    assert specs["attn/q_proj"] == ["model", "None", "None"]  # [H, D, E / 2]
+    assert specs["attn/q_proj_scale"] == ["model", "None", "None", "None"]  # [H, D, E/32, 2]
+    assert specs["attn/o_proj"] == ["None", "None"]           # [E, H*D / 2]: replicated
+    assert specs["mlp/gate"] == ["model", "None"] and specs["mlp/down"] == ["None", "None"]
+    assert specs["mlp/gate_scale"] == ["model", "None", "None"]
 
 
 def test_scales_shard_with_their_weights_output_axes(report):

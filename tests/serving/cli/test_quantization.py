@@ -1,6 +1,6 @@
 """`--quantization` on `metrale serve`, `generate` and `convert` (`models/quant.py`) and
 `--kv-cache-dtype` on `serve` and `generate` (`models/kv_quant.py`): a bad value exits 2 naming
-the choices; `convert --quantization int8` stores the int8 arrays, which
+the choices; `convert --quantization int8` (or int4) stores the quantized arrays, which
 load quantized without the flag."""
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from serving.cli import build_parser, main
 def test_a_bad_value_exits_2_naming_the_choices(command, capsys):
     extra = ["src", "dst"] if command == "convert" else []
     with pytest.raises(SystemExit) as e:
-        main([command, *extra, "--quantization", "int4"])
+        main([command, *extra, "--quantization", "int3"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--quantization: invalid choice: 'int4'" in err and "'int8'" in err
+    assert "--quantization: invalid choice: 'int3'" in err and "'int8'" in err
+    assert "'int4'" in err
 
 
 def test_serve_passes_it_to_the_engine():
@@ -31,6 +32,7 @@ def test_serve_passes_it_to_the_engine():
         check_flags(args)
         return server_settings(args)
     assert settings("--quantization", "int8").engine_options["quantization"] == "int8"
+    assert settings("--quantization", "int4").engine_options["quantization"] == "int4"
     assert "quantization" not in settings().engine_options
 
 
@@ -60,16 +62,18 @@ def _same(a, b) -> None:
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
-def test_convert_stores_int8_and_loads_it_without_the_flag(tmp_path):
+@pytest.mark.parametrize("mode, dtype", [("int8", np.int8), ("int4", np.uint8)])
+def test_convert_stores_quantized_weights_and_loads_them_without_the_flag(tmp_path, mode,
+                                                                        dtype):
     from metrale_jax.weights.checkpoint import load_checkpoint
     from tests.hf_models import build_tiny_checkpoint
     tiny = build_tiny_checkpoint(tmp_path / "hf")
-    assert main(["convert", str(tiny), str(tmp_path / "int8"), "--quantization", "int8"]) == 0
-    stored = load_checkpoint(tmp_path / "int8")
-    assert stored.config.quantization == "int8"
-    assert nnx.to_pure_dict(stored.params)["blocks"]["mlp"]["gate"].dtype == np.int8
-    at_load = load_checkpoint(tiny, quantization="int8")
+    assert main(["convert", str(tiny), str(tmp_path / mode), "--quantization", mode]) == 0
+    stored = load_checkpoint(tmp_path / mode)
+    assert stored.config.quantization == mode
+    assert nnx.to_pure_dict(stored.params)["blocks"]["mlp"]["gate"].dtype == dtype
+    at_load = load_checkpoint(tiny, quantization=mode)
     _same(stored.params, at_load.params)
     # a float orbax checkpoint quantized while loading gives the same arrays
     assert main(["convert", str(tiny), str(tmp_path / "float")]) == 0
-    _same(load_checkpoint(tmp_path / "float", quantization="int8").params, at_load.params)
+    _same(load_checkpoint(tmp_path / "float", quantization=mode).params, at_load.params)
