@@ -23,6 +23,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -290,8 +294,11 @@ template <int NJ>
 void rows(const Acts& a, const uint8_t* q, const uint16_t* dm, float* y, int64_t M,
           int64_t K, int64_t N, int64_t n0) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) block<MR, NJ>(a, q, dm, y, K, N, m, n0);
+  // Five rows left take one pass of five (20 accumulators): a speculative verify of 4
+  // drafts feeds 5 rows. A row's arithmetic is the same in any pass.
+  for (; m + MR <= M && M - m != MR + 1; m += MR) block<MR, NJ>(a, q, dm, y, K, N, m, n0);
   switch (M - m) {
+    case 5: block<5, NJ>(a, q, dm, y, K, N, m, n0); break;
     case 3: block<3, NJ>(a, q, dm, y, K, N, m, n0); break;
     case 2: block<2, NJ>(a, q, dm, y, K, N, m, n0); break;
     case 1: block<1, NJ>(a, q, dm, y, K, N, m, n0); break;

@@ -121,14 +121,23 @@ dot) is faster: measured on the default model's forward, the kernel wins up to 4
 loses from 64 on (module docstring)."""
 
 
+KERNEL_MAX_ROWS_INT4 = 128
+"""The CPU int4 kernel (`kernels/int4_matmul.py`) serves a product of at most this many rows;
+XLA's form (the dequantized weight's float32 dot) wins above. Measured on 10 layers of the
+default model's products (`bench/weight_kernels.py`, ms, kernel vs XLA's form): 16 rows 9.2
+vs 40.5, 64 52 vs 72, 96 48 vs 59, 128 67 vs 74, 256 129 vs 99."""
+
+
 def kernel_serves(x: jax.Array, n_in: int, kind: str = "int8") -> bool:
     """Whether a CPU kernel (`kind` "int8": `kernels/int8_matmul.py`, "int4":
     `kernels/int4_matmul.py`) serves a product of `x`'s last `n_in` axes: float32 x of at
-    most `KERNEL_MAX_ROWS` rows on a single-device CPU backend (a mesh keeps XLA's form, which
-    its SPMD partitioner can split), and the kernel is enabled and built."""
+    most `KERNEL_MAX_ROWS` rows (int4: `KERNEL_MAX_ROWS_INT4`) on a single-device CPU backend
+    (a mesh keeps XLA's form, which its SPMD partitioner can split), and the kernel is enabled
+    and built."""
     if x.dtype != jnp.float32 or jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
-    if math.prod(x.shape[:x.ndim - n_in]) > KERNEL_MAX_ROWS:
+    limit = KERNEL_MAX_ROWS_INT4 if kind == "int4" else KERNEL_MAX_ROWS
+    if math.prod(x.shape[:x.ndim - n_in]) > limit:
         return False
     if kind == "int4":
         from metrale_jax.kernels import int4_matmul
@@ -229,6 +238,7 @@ def scale_axes(axes: dict, linear: dict[str, int]) -> dict:
     return out
 
 
-__all__ = ["ATTENTION_LINEAR", "KERNEL_MAX_ROWS", "MLP_LINEAR", "QUANTIZATIONS", "SCALE_SUFFIX",
-           "check_quantization", "dequantize", "kernel_serves", "qeinsum", "qmatmul", "quantize",
-           "quantize_weight", "quantizes_embeddings", "scale_axes", "stacked_in_axes"]
+__all__ = ["ATTENTION_LINEAR", "KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS_INT4", "MLP_LINEAR",
+           "QUANTIZATIONS", "SCALE_SUFFIX", "check_quantization", "dequantize", "kernel_serves",
+           "qeinsum", "qmatmul", "quantize", "quantize_weight", "quantizes_embeddings",
+           "scale_axes", "stacked_in_axes"]

@@ -18,9 +18,11 @@ little, five eighths of int8's). Mode "int4" (`ModelConfig.quantization`) stores
 layers so and the embedding and LM head int8 per row (as "int8-all": `models/quant.py`), as
 llama.cpp's Q4 files keep those at 8 bits; K must divide by 32.
 
-Products: on a single CPU device a float32 product of at most `KERNEL_MAX_ROWS` rows runs the
-C++ kernel (`kernels/int4_matmul.py`), which reads each packed byte once per call; elsewhere
-(prefill, meshes, TPU and GPU) XLA dequantizes the weight and runs its float dot.
+Products: on a single CPU device a float32 product of at most `KERNEL_MAX_ROWS_INT4` (128)
+rows runs the C++ kernel (`kernels/int4_matmul.py`), which reads each packed byte once per
+call and quantizes the activations per block to int8 for integer dot products (as llama.cpp
+does for its Q4 types); elsewhere (longer prefill chunks, meshes, TPU and GPU) XLA
+dequantizes the weight and runs its float dot, activations in the compute dtype.
 """
 
 from __future__ import annotations

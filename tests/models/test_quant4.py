@@ -28,7 +28,7 @@ import pytest
 from flax import nnx
 
 from metrale_jax.kernels import int4_matmul
-from metrale_jax.models.quant import KERNEL_MAX_ROWS, SCALE_SUFFIX, qeinsum, qmatmul
+from metrale_jax.models.quant import KERNEL_MAX_ROWS_INT4, SCALE_SUFFIX, qeinsum, qmatmul
 from metrale_jax.models.quant4 import BLOCK, dequantize4, quantize4
 from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.models.transformer import forward
@@ -200,22 +200,23 @@ def uses_kernel(fn, *args) -> bool:
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_qeinsum_takes_int4_weights(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An [in, out] einsum on an int4 weight: the kernel for few rows, XLA's dot on the
-    dequantized weight above `KERNEL_MAX_ROWS` rows (and with the kernel off), which equals
+    dequantized weight above `KERNEL_MAX_ROWS_INT4` rows (and with the kernel off), which equals
     the float einsum of the dequantized weight within float32 rounding."""
     xs, ws, in_axes = SPECS[spec]
     rng = np.random.default_rng(3)
     q, dm = quantize4(rng.standard_normal(ws).astype(np.float32), in_axes)
     n_in = len(in_axes)
     deq = dequantize4(q, dm).astype(np.float64)  # [out..., K]
-    for T in (xs[1], KERNEL_MAX_ROWS + 1):
+    for T in (xs[1], KERNEL_MAX_ROWS_INT4 + 1):
         x = rng.standard_normal((1, T, *xs[2:])).astype(np.float32)
         fn = jax.jit(lambda a, b, c, spec=spec: qeinsum(spec, a, b, c))
-        assert uses_kernel(fn, x, q, dm) == (T <= KERNEL_MAX_ROWS and int4_matmul.available())
+        kernel_rows = T <= KERNEL_MAX_ROWS_INT4 and int4_matmul.available()
+        assert uses_kernel(fn, x, q, dm) == kernel_rows
         y = np.asarray(fn(x, q, dm))
         xf = x.reshape(*x.shape[:x.ndim - n_in], -1).astype(np.float64)
         ref = np.einsum("...k,...nk->...n", xf, deq.reshape(-1, deq.shape[-1])[None, None])
         ref = ref.reshape(y.shape)
-        if T > KERNEL_MAX_ROWS:
+        if T > KERNEL_MAX_ROWS_INT4:
             absum = np.abs(xf) @ np.abs(deq.reshape(-1, deq.shape[-1])).T
             assert np.all(np.abs(y - ref) <= 2 * xf.shape[-1] * EPS * absum.reshape(y.shape))
         else:  # the kernel: within the activations' rounding (checked with its formula above)
