@@ -31,6 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from metrale_jax.config import QUANTIZATIONS  # noqa: E402
 from metrale_jax.engine import Engine, EngineConfig, SlotSettings  # noqa: E402
 from metrale_jax.engine.memory_plan import token_bytes_per_device  # noqa: E402
 from metrale_jax.models.ragged import sequence_logits  # noqa: E402
@@ -78,7 +79,7 @@ def decode_rates(engine: Engine, prompt: list[int], rows_list: list[int], steps:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quantization", default=None, choices=[None, "int8", "int8-all"],
+    ap.add_argument("--quantization", default=None, choices=[None, *QUANTIZATIONS],
                     help="the weights (both caches use the same)")
     ap.add_argument("--caches", nargs="+", default=["int8"], help="cache dtypes beside float32")
     ap.add_argument("--ppl-tokens", type=int, default=2048, help="README tokens scored")

@@ -22,6 +22,17 @@ ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma",
 QUANTIZATIONS: tuple[str, ...] = ("int8", "int8-all", "int4")
 """Weight quantization modes (`ModelConfig.quantization`; see `models/quant.py`)."""
 
+INT4_BLOCK = 32
+"""Inputs per block of an int4 weight (`models/quant4.py`)."""
+
+
+def check_int4_inputs(k: int) -> None:
+    """Raises `InvalidParameterError` unless `k` inputs split into int4 blocks of 32."""
+    if k % INT4_BLOCK:
+        raise InvalidParameterError(
+            f"int4 quantization needs each linear layer's inputs to be a multiple of "
+            f"{INT4_BLOCK} (this model has a layer with {k})", param="quantization")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -122,10 +133,9 @@ class ModelConfig:
                                         "is an encoder-decoder (translation) model",
                                         param="quantization")
         if self.quantization == "int4":
-            from metrale_jax.models.quant4 import check_inputs
             for k in (self.hidden_size, self.intermediate_size,
                       self.num_heads * self.head_dim):
-                check_inputs(k)
+                check_int4_inputs(k)
 
     @classmethod
     def for_m2m100(cls, m2m: M2M100Config) -> ModelConfig:

@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 32
-"""Inputs per quantization block."""
+from metrale_jax.config import INT4_BLOCK as BLOCK
+from metrale_jax.config import check_int4_inputs as check_inputs
+from metrale_jax.models.quant_base import SCALE_SUFFIX, kernel_serves
 
 
 def _split_inputs(w: Any, in_axes: tuple[int, ...]) -> Any:
@@ -44,15 +45,6 @@ def _split_inputs(w: Any, in_axes: tuple[int, ...]) -> Any:
     rest = [a for a in range(w.ndim) if a not in in_axes]
     moved = xp.transpose(w, (*rest, *in_axes))
     return moved.reshape(*moved.shape[:len(rest)], -1)
-
-
-def check_inputs(k: int) -> None:
-    """Raises `InvalidParameterError` unless `k` inputs split into blocks of 32."""
-    if k % BLOCK:
-        from metrale_jax.errors import InvalidParameterError
-        raise InvalidParameterError(
-            f"int4 quantization needs each linear layer's inputs to be a multiple of {BLOCK} "
-            f"(this model has a layer with {k})", param="quantization")
 
 
 def quantize4(w: Any, in_axes: tuple[int, ...]) -> tuple[Any, Any]:
@@ -98,7 +90,6 @@ def int4_product(x: jax.Array, n_in: int, q: jax.Array, dm: jax.Array) -> jax.Ar
     """`x [..., in...]` (its last `n_in` axes the inputs, K in all) times the int4 weight
     `(q [out..., K / 2], dm)` -> `[..., out...]` in x's dtype. On a single CPU device a
     float32 x of few rows runs the kernel; otherwise XLA's dot on the dequantized weight."""
-    from metrale_jax.models.quant import kernel_serves
     lead = x.shape[:x.ndim - n_in]
     k = math.prod(x.shape[x.ndim - n_in:])
     out = q.shape[:-1]
@@ -121,7 +112,6 @@ def is_int4(w: Any) -> bool:
 def is_block_scale(path: tuple, x: Any) -> bool:
     """Whether the param `x` at pytree `path` is an int4 weight's block scales (float16,
     named `<weight>_scale`), which keep their dtype whatever the compute dtype."""
-    from metrale_jax.models.quant import SCALE_SUFFIX
     last = path[-1] if path else None
     name = getattr(last, "key", getattr(last, "name", None))
     if name == "value" and len(path) > 1:  # an nnx variable's value
