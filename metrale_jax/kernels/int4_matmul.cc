@@ -260,8 +260,8 @@ void block(const Acts& a, const uint8_t* q, const uint16_t* dm, float* y, int64_
   // prefetch PF rows ahead.
   const uint8_t* pf = qr + PF * K2;
   const bool prefetch = n0 + NJ + PF <= N;
-  for (int64_t g = 0; g < KG; ++g) {
-    const int nb = static_cast<int>(std::min<int64_t>(GB, KB - g * GB));
+  // One group of `nb` blocks into the accumulators (full groups: nb a constant, no masks).
+  auto group = [&](int64_t g, int nb) __attribute__((always_inline)) {
 #pragma GCC unroll 16
     for (int j = 0; j < NJ; ++j) {
       if (prefetch) __builtin_prefetch(pf + j * K2 + g * 64);
@@ -273,7 +273,10 @@ void block(const Acts& a, const uint8_t* q, const uint16_t* dm, float* y, int64_
         acc[r][j] += dot_codes(c, a.xq.data() + rg * 128) * (d * load_f(a.sx.data() + rg * VW));
       }
     }
-  }
+  };
+  const int64_t full = KB / GB;
+  for (int64_t g = 0; g < full; ++g) group(g, GB);
+  if (full < KG) group(full, static_cast<int>(KB - full * GB));
   // The minimums' term: each row's (d, m) against x's (0, sx * sum(xq)).
   for (int j = 0; j < NJ; ++j) {
     oct macc[R];
