@@ -297,3 +297,17 @@ def test_logits_within_the_quantization_bounds(arch, monkeypatch: pytest.MonkeyP
     print(arch, "int4 max rel logit error", rel, "kernel vs XLA", kernel_rel)
     assert kernel_rel <= products / 254
     assert rel <= products / 15 + (products + 1) / 254
+
+
+def test_a_model_whose_inputs_do_not_split_into_blocks_is_refused():
+    """A linear layer's inputs must divide by 32: the config says so, naming the size (the
+    CLI turns it into exit 2)."""
+    import dataclasses
+
+    from metrale_jax.errors import InvalidParameterError
+    cfg, _, _ = random_model("llama")
+    with pytest.raises(InvalidParameterError, match="multiple of 32.*48"):
+        dataclasses.replace(cfg, hidden_size=48, quantization="int4")
+    with pytest.raises(InvalidParameterError, match="multiple of 32.*80"):
+        dataclasses.replace(cfg, num_heads=5, num_kv_heads=1,  # o_proj: 5 x 16 inputs
+                            quantization="int4")
