@@ -252,7 +252,11 @@ def _lora_info(path: Path) -> tuple[str | None, int | None, str | None]:
 
 # ---- Metrale (orbax) ---------------------------------------------------------------------
 def _orbax_info(path: Path) -> tuple[str | None, int | None, str | None]:
-    """(architecture, parameter count, dtype) from metrale.json and the model's shapes."""
+    """(architecture, parameter count, dtype) from metrale.json and the model's shapes. A
+    quantized checkpoint counts its float model's parameters (not packed elements and
+    scales), and its dtype names the quantization too (e.g. "float32, int4")."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -261,6 +265,9 @@ def _orbax_info(path: Path) -> tuple[str | None, int | None, str | None]:
     meta = json.loads((path / "metrale.json").read_text())
     config = ModelConfig.from_dict(meta["config"])
     dtype = meta.get("dtype")
-    _, abstract = abstract_model(config, jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+    _, abstract = abstract_model(dataclasses.replace(config, quantization=None),
+                                 jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+    if config.quantization:
+        dtype = f"{dtype}, {config.quantization}"
     return config.architecture, params, dtype

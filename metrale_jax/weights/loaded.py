@@ -47,6 +47,8 @@ class Checkpoint:
 
     @property
     def num_params(self) -> int:
-        """The number of parameters."""
+        """The number of stored param elements: the parameters of a float model; a quantized
+        one's packed codes and scales count as stored (`weights/catalog.py` counts the
+        float model's parameters)."""
         import jax
         return sum(x.size for x in jax.tree.leaves(self.params))

@@ -79,6 +79,16 @@ def test_hf_and_orbax_counts_equal_the_loaded_params(tiny_hf, tmp_path):
     assert orbax.size_bytes == sum(p.stat().st_size for p in native.rglob("*") if p.is_file())
 
 
+def test_a_quantized_orbax_checkpoint_counts_its_float_params(tiny_hf, tmp_path):
+    """An int4 checkpoint stores packed codes and block scales: the listing still counts the
+    model's parameters, and its dtype names the quantization."""
+    from metrale_jax.weights.checkpoint import load_checkpoint
+    from metrale_jax.weights.orbax_store import save_orbax
+    float_params = load_checkpoint(tiny_hf).num_params
+    info = describe(save_orbax(load_checkpoint(tiny_hf, quantization="int4"), tmp_path / "q4"))
+    assert (info.format, info.dtype, info.num_params) == ("orbax", "float32, int4", float_params)
+
+
 def test_listing_keeps_going_past_bad_entries(tmp_path):
     write_small_gguf(tmp_path / "good.gguf")
     (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 20)
