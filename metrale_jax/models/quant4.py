@@ -13,8 +13,8 @@ rounded to float16 first, then `code = round((w - m) / d)` clipped to 0..15, so
 `|w - (d * code + m)| <= d / 2` plus float16's rounding of m. A block of llama.cpp Q4_1
 values (dequantized) comes back exactly: its minimum is m and its maximum m + 15 d.
 
-Per weight that is 4 bits and 1 bit of scales (5 bits: a quarter of float32's bytes less a
-little, five eighths of int8's). Mode "int4" (`ModelConfig.quantization`) stores the linear
+Per weight that is 4 bits and 1 bit of scales (5 bits: about a sixth of float32's bytes,
+five eighths of int8's). Mode "int4" (`ModelConfig.quantization`) stores the linear
 layers so and the embedding and LM head int8 per row (as "int8-all": `models/quant.py`), as
 llama.cpp's Q4 files keep those at 8 bits; K must divide by 32.
 
@@ -80,12 +80,6 @@ def dequantize4(q: Any, dm: Any, dtype: Any = np.float32) -> Any:
     return w.reshape(*q.shape[:-1], -1).astype(dtype)
 
 
-def float_shape(q_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The `[in..., out...]` shape of the float weight a packed `q [out..., K / 2]` holds,
-    given its input axes' sizes."""
-    return (*in_shape, *q_shape[:-1])
-
-
 def int4_product(x: jax.Array, n_in: int, q: jax.Array, dm: jax.Array) -> jax.Array:
     """`x [..., in...]` (its last `n_in` axes the inputs, K in all) times the int4 weight
     `(q [out..., K / 2], dm)` -> `[..., out...]` in x's dtype. On a single CPU device a
@@ -104,11 +98,6 @@ def int4_product(x: jax.Array, n_in: int, q: jax.Array, dm: jax.Array) -> jax.Ar
     return y.reshape(*lead, *out)
 
 
-def is_int4(w: Any) -> bool:
-    """Whether `w` is a packed int4 weight (uint8)."""
-    return w.dtype == jnp.uint8
-
-
 def is_block_scale(path: tuple, x: Any) -> bool:
     """Whether the param `x` at pytree `path` is an int4 weight's block scales (float16,
     named `<weight>_scale`), which keep their dtype whatever the compute dtype."""
@@ -119,5 +108,5 @@ def is_block_scale(path: tuple, x: Any) -> bool:
     return x.dtype == jnp.float16 and str(name).endswith(SCALE_SUFFIX)
 
 
-__all__ = ["BLOCK", "check_inputs", "dequantize4", "float_shape", "int4_product",
-           "is_block_scale", "is_int4", "quantize4"]
+__all__ = ["BLOCK", "check_inputs", "dequantize4", "int4_product", "is_block_scale",
+           "quantize4"]
