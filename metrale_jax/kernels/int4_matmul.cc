@@ -10,9 +10,13 @@
 // 16-float slices of x.
 //
 // Decode reads each weight once per step: blocks of NR rows of q are dotted with up to MR
-// rows of x at a time, the MR * NR accumulators in vector registers; a block of q is
-// unpacked to floats once per pass (d * q + m, in float32) and used for every row of x.
-// A row's arithmetic is the same in every pass, so its result does not depend on the
+// rows of x at a time (5 when 5 are left), the accumulators in vector registers. Each block
+// of 32 activations is first quantized to int8 (scale max|x| / 127, as llama.cpp's Q8 for
+// its Q4 dot products), so a block's dot product is an integer one: AVX-512 VNNI's vpdpbusd
+// (64 byte pairs an instruction), AVX2's maddubs + madd, or portable code, all giving the
+// same integers; it is scaled by d * sx in float32, and m meets sx * sum(codes of x). Against
+// the float product the error is the activations' rounding, at most sx / 2 * sum |w| a
+// block. A row's arithmetic is the same in every pass, so its result does not depend on the
 // call's other rows. Blocks of output rows are shared out over XLA's intra-op thread pool
 // (parallel.h). Measurements: README, "int4 weights".
 
@@ -129,6 +133,82 @@ inline float oct_sum(oct v) {
 }
 
 inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (and AVX-VNNI-less AVX-512) CPUs: the same integers from maddubs (u8 x s8 pairs to
+// int16; 2 * 15 * 127 cannot saturate) and madd with ones (pairs to int32), 8 lanes a half.
+struct codes_t {
+  __m256i lo[2], hi[2];
+};
+
+inline codes_t load_codes(const uint8_t* p, int nb) {
+  alignas(32) uint8_t tail[64] = {};
+  if (nb != GB) {
+    std::memcpy(tail, p, 16 * nb);
+    p = tail;
+  }
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  codes_t c;
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 32 * h));
+    c.lo[h] = _mm256_and_si256(v, mask);
+    c.hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  }
+  return c;
+}
+
+inline vf dot_codes(const codes_t& c, const int8_t* xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 out[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i lo = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(c.lo[h], _mm256_loadu_si256((const __m256i*)(xq + 32 * h))), ones);
+    const __m256i hi = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(c.hi[h], _mm256_loadu_si256((const __m256i*)(xq + 64 + 32 * h))),
+        ones);
+    out[h] = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+  }
+  vf v;
+  std::memcpy(&v, out, sizeof(v));
+  return v;
+}
+
+typedef __m256 oct;
+
+inline oct load_dm(const uint16_t* p, int nb) {
+  alignas(16) uint16_t tail[8] = {};
+  if (nb != GB) {
+    std::memcpy(tail, p, 4 * nb);
+    p = tail;
+  }
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+
+inline vf lane_scales(oct f) {
+  const __m256 a = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+  const __m256 b = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6));
+  vf v;
+  std::memcpy(&v, &a, sizeof(a));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(a), &b, sizeof(b));
+  return v;
+}
+
+inline oct oct_fma(oct acc, oct a, const float* b) {
+  return _mm256_fmadd_ps(a, _mm256_loadu_ps(b), acc);
+}
+
+inline oct oct_zero() { return _mm256_setzero_ps(); }
+
+inline float oct_sum(oct v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hsum(vf v) {  // a halving tree
+  for (int w = VW / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) v[i] += v[i + w];
+  return v[0];
+}
 #else
 struct codes_t {
   uint8_t lo[64], hi[64];
