@@ -21,6 +21,7 @@ from scipy import stats
 
 from metrale_jax.engine.sampling import CANDIDATES, kept_mask, sample, seed_to_key
 from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
+from tests.conftest import RUN_FAST
 
 V = 1000
 
@@ -87,20 +88,27 @@ CHI_CASES = [(1.0, 0, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 
              (1.0, 300, 0.9, 0.0), (2.0, 40, 0.7, 0.05)]
 
 
+def _draw_rows(lg, s, st):
+    history, length = no_history(lg.shape[0], lg.shape[1])
+    return sample(lg, s, history, length, st, 5)
+
+
 @pytest.fixture(scope="module")
 def draw_fn():
-    def fn(lg, s, st):
-        history, length = no_history(lg.shape[0], lg.shape[1])
-        return sample(lg, s, history, length, st, 5)
+    return jax.jit(_draw_rows)
 
-    return jax.jit(fn)
+
+@pytest.fixture(scope="module")
+def many_draws_fn():
+    """`draw_fn` for DRAWS rows, whose run outweighs its compile: XLA's default options."""
+    return jax.jit(_draw_rows, compiler_options=RUN_FAST)
 
 
 @pytest.mark.parametrize("case", CHI_CASES, ids=str)
-def test_draw_frequencies_chi_square(case, draw_fn):
+def test_draw_frequencies_chi_square(case, many_draws_fn):
     logits = (1.5 * np.random.default_rng(2).standard_normal(V)).astype(np.float32)
     s = arrays([case] * DRAWS, seed=11)
-    out = draw_fn(jnp.broadcast_to(jnp.asarray(logits), (DRAWS, V)), s,
+    out = many_draws_fn(jnp.broadcast_to(jnp.asarray(logits), (DRAWS, V)), s,
                   jnp.arange(DRAWS, dtype=jnp.int32))
     tokens = np.asarray(out.tokens)
     probs = reference_probs(logits, *case)
@@ -157,10 +165,14 @@ def test_candidate_draw_equals_full_vocabulary_draw():
                  (1.0, 0, 0.95, 0.05), (1.0, 300, 1.0, 0.0), (1.0, 1, 1.0, 0.0)], vocab=V)
     st = dataclasses.replace(st, keys=jnp.zeros((B, 2), jnp.uint32))
     keep = kept_mask(x, st)
-    for seed in range(20):
-        steps = jnp.full((B,), seed, jnp.int32)
+
+    @jax.jit  # one program for all seeds (op by op, each primitive compiles on its own)
+    def both(steps):
         row_keys = step_keys(st, steps)
         got = _draw(x, st, row_keys, want_keep=False).tokens
         g = jax.vmap(lambda k: _token_noise(k, jnp.arange(V)))(row_keys)
-        want = jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1)
+        return got, jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1)
+
+    for seed in range(20):
+        got, want = both(jnp.full((B,), seed, jnp.int32))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -157,3 +157,16 @@ def test_an_image_on_a_text_only_model(base_url, schemas):
     status, _, models = post(base_url, "/v1/models", b"", method="GET")
     assert status == 200 and models["data"][0]["input_modalities"] == ["text"]
     assert "max_images" not in models["data"][0]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {"messages": MSG, "source_lang": "eng_Latn"}, "source_lang"),
+    ("/v1/completions", {"prompt": "Hello world", "tgt_lang": "fra_Latn"}, "tgt_lang"),
+])
+def test_languages_on_a_decoder_only_model_are_400(base_url, schemas, path, body, field):
+    """Translation fields on this (decoder-only) model: 400 naming the field."""
+    status, _, err = post(base_url, path, {"model": MODEL, "max_tokens": 2, **body})
+    assert status == 400, err
+    schemas.error(err)
+    assert err["error"]["param"] == field
+    assert "translation models" in err["error"]["message"]
