@@ -118,6 +118,19 @@ SHARED_ENGINE_GROUPS = {"server": "tiny-server", "tool_server": "tool-server",
                         "tiny_engine": "tiny-engine", "tiny_llm": "tiny-llm"}
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Longest groups first (`tests/group_weights.py`), each group's tests in their order."""
+    from tests.group_weights import load
+    seconds = load()
+
+    def group(item) -> str:
+        mark = item.get_closest_marker("xdist_group")
+        return mark.args[0] if mark and mark.args else ""
+
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(group(item), 0.0), position[id(item)]))
+
+
 def pytest_itemcollected(item) -> None:
     """Gives a test its xdist group: its own marker's, a shared engine's, or its file's.
     (xdist turns the group into a `@group` suffix of the test's id, which pytest 9 ignores:
