@@ -83,10 +83,9 @@ def default_gguf() -> Path:
 @pytest.fixture(scope="session")
 def default_llm(default_gguf):
     """The default model as an `LLM` (4 slots of 512, prefill pieces up to 64 tokens so that
-    a longer prompt is chunked), shared by the tests in the "default-model" xdist group.
-    `tests/serving/cli/test_serve.py` uses the same shapes, so the two share their compiled
-    programs through the suite's compilation cache (as do users of the quickstart notebook,
-    whose `LLM` has these shapes too)."""
+    a longer prompt is chunked), shared by the tests in the "default-model" xdist group. The
+    quickstart notebook and `tests/serving/cli/test_serve.py` use the same shapes, so the
+    three share their compiled programs through the suite's compilation cache."""
     from metrale_jax import LLM
     llm = LLM("default", **DEFAULT_MODEL_SHAPES)
     yield llm
@@ -112,8 +111,8 @@ def default_transformers(default_gguf):
 # (`pytestmark = pytest.mark.xdist_group("tiny-server")`), so their programs come from the
 # persistent cache the shared server filled; the default-model fidelity tests, which share
 # `default_llm` and `default_transformers`, form the "default-model" group the same way, with
-# the other user of the default model on the same shapes (the `metrale serve` subprocess):
-# one worker compiles each of its programs once, in sequence.
+# the other users of the default model on the same shapes (the quickstart notebook and the
+# `metrale serve` subprocess): one worker compiles each of its programs once, in sequence.
 SHARED_ENGINE_GROUPS = {"server": "tiny-server", "tool_server": "tool-server",
                         "tiny_engine": "tiny-engine", "tiny_llm": "tiny-llm"}
 

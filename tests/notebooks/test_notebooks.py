@@ -1,22 +1,17 @@
-"""The notebooks are stored without outputs, and the quickstart runs end to end on CPU (a real
-kernel; see `runner.py`). The sharding notebook has its own file so that the two runs can go
-to different xdist workers.
-
-The quickstart runs on a tiny random Llama (its `MODEL` parameter), as the sharding notebook
-does: its point here is that every cell runs (the Python API, the server, the `openai`
-client, the load generator and the plot), and a tiny model's programs compile in seconds,
-where the default model's take minutes on this 2-core machine at every cold run. What the
-default model itself answers is tested by the "default-model" group (tests/conftest.py) on
-the same shapes: its greedy tokens against transformers, a chat answer, a JSON-schema answer
-and `metrale serve`.
-"""
+"""The notebooks are stored without outputs, and the quickstart runs end to end on CPU with
+the default model (a real kernel; see `runner.py`). The sharding notebook has its own file
+so that the two slow runs can go to different xdist workers."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.hf_models import build_tiny_checkpoint
 from tests.notebooks.runner import read_notebook, run_notebook
+
+# The quickstart runs the default model on the default_llm fixture's shapes: in the
+# "default-model" group (tests/conftest.py) its programs come from the persistent cache that
+# group's other tests fill, rather than being compiled in two processes at once.
+pytestmark = pytest.mark.xdist_group("default-model")
 
 
 @pytest.mark.parametrize("name", ["quickstart.ipynb", "sharding.ipynb"])
@@ -31,7 +26,7 @@ def test_notebook_is_stored_without_outputs(name):
     assert len(params) == 1 and 'MODEL = "default"' in params[0].source  # users get it
 
 
+@pytest.mark.default_model
 @pytest.mark.slow
-def test_quickstart_runs(tmp_path):
-    model = build_tiny_checkpoint(tmp_path / "tiny")
-    run_notebook("quickstart.ipynb", tmp_path, parameters={"MODEL": str(model)})
+def test_quickstart_runs(default_gguf, tmp_path):
+    run_notebook("quickstart.ipynb", tmp_path)
