@@ -109,7 +109,7 @@ class LLM:
                                   (image_limits.allowed_domains if image_limits else ())))
         self._image_processor = None
         if self.checkpoint.config.is_encoder_decoder:
-            from metrale_jax.translation import check_default_languages
+            from metrale_jax.text.translation import check_default_languages
             check_default_languages(self.checkpoint.tokenizer, source_lang, target_lang)
         self.loras = {}
         if loras:
@@ -183,7 +183,7 @@ class LLM:
         hypotheses of a beam search).
         """
         from metrale_jax.scheduler import SamplingParams
-        from metrale_jax.translation import translation_inputs
+        from metrale_jax.text.translation import translation_inputs
         if not self.config.is_encoder_decoder:
             raise InvalidParameterError(f"model {self.checkpoint.name!r} is not a translation "
                                         "model", param="model")

@@ -1,3 +1,3 @@
 """Flax NNX model definitions: pure (params, tokens, positions, cache) -> (logits, cache).
-May import config and errors only.
+May import families, config and errors only.
 """

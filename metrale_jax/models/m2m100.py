@@ -35,11 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from metrale_jax.m2m100_config import (  # noqa: F401  (re-exported)
-    ACTIVATIONS,
-    MODEL_TYPES,
-    M2M100Config,
-)
+from metrale_jax.families.m2m100 import M2M100Config
 from metrale_jax.models.layers import AxesTable, stacked_axes
 
 # ---- pytrees the engine carries ------------------------------------------------------------
@@ -114,7 +110,7 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
 
 
 def activation(name: str, x: jax.Array) -> jax.Array:
-    """transformers' `ACT2FN[name]` for the supported names (see `ACTIVATIONS`)."""
+    """transformers' `ACT2FN[name]` for the supported names (see `families.m2m100.ACTIVATIONS`)."""
     if name == "relu":
         return jax.nn.relu(x)
     if name == "quick_gelu":  # CLIP's

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from metrale_jax.families.llava import VisionConfig
 from metrale_jax.models.layers import AxesTable, stacked_axes
 from metrale_jax.models.m2m100 import (
     ATTENTION_AXES,
@@ -32,7 +33,6 @@ from metrale_jax.models.m2m100 import (
     _stack,
     activation,
 )
-from metrale_jax.vision_config import VisionConfig
 
 
 class VisionLayer(nnx.Module):

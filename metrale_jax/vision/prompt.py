@@ -19,7 +19,7 @@ import numpy as np
 
 from metrale_jax.engine.images import PromptImage
 from metrale_jax.errors import InvalidParameterError
-from metrale_jax.vision_config import VisionConfig
+from metrale_jax.families.llava import VisionConfig
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
 """Content part types that carry an image."""

@@ -55,7 +55,7 @@ def _run(folder: str, mesh: tuple[int, int], cache_dir: str) -> dict:
 
 
 def _inputs(llm, text, src, tgt):
-    from metrale_jax.translation import translation_inputs
+    from metrale_jax.text.translation import translation_inputs
     return translation_inputs(llm.tokenizer, text, src, tgt)
 
 

@@ -34,11 +34,8 @@ def pair(request, tmp_path_factory):
 def _load(folder):
     import json
 
-    from metrale_jax.weights.llava_reader import (
-        assemble_vision,
-        llava_model_config,
-        split_tensors,
-    )
+    from metrale_jax.weights.hf_config import llava_model_config
+    from metrale_jax.weights.llava_reader import assemble_vision, split_tensors
     from metrale_jax.weights.safetensors_reader import read_safetensors
     cfg = llava_model_config(json.loads((folder / "config.json").read_text()), folder)
     _, vision = split_tensors(read_safetensors(folder))

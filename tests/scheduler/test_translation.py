@@ -114,7 +114,7 @@ def test_beam_search_equals_transformers_side_by_side(nllb):
 
 
 def _inputs(llm, text, src, tgt):
-    from metrale_jax.translation import translation_inputs
+    from metrale_jax.text.translation import translation_inputs
     return translation_inputs(llm.tokenizer, text, src, tgt)
 
 
