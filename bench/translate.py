@@ -53,8 +53,8 @@ def main() -> None:
     import torch
     import transformers
 
+    from devtools.nllb_models import nllb_config, randomize, write_nllb_tokenizer
     from metrale_jax import LLM, SamplingParams
-    from tests.nllb_models import nllb_config, randomize, write_nllb_tokenizer
 
     shape = SMALL if args.small else NLLB_600M
     folder = Path(tempfile.mkdtemp(prefix="nllb-bench-"))

@@ -63,9 +63,9 @@ def main() -> None:
     import transformers
     from PIL import Image
 
+    from devtools.hf_models import save_tiny_tokenizer
+    from devtools.llava_models import CHAT_TEMPLATE, IMAGE_TOKEN, TOWERS
     from metrale_jax import LLM, SamplingParams
-    from tests.hf_models import save_tiny_tokenizer
-    from tests.llava_models import CHAT_TEMPLATE, IMAGE_TOKEN, TOWERS
 
     tower = SMALL_TOWER if args.small else LLAVA_15_TOWER
     size = tower["image_size"]

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from devtools.logits import stacked_logits
 from metrale_jax.config import ModelConfig
 from metrale_jax.models.quant import (
     SCALE_SUFFIX,
@@ -30,7 +31,7 @@ from metrale_jax.models.quant import (
     stacked_in_axes,
 )
 from metrale_jax.models.quantized_model import quantize_state
-from metrale_jax.models.transformer import Transformer, forward
+from metrale_jax.models.transformer import Transformer
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16)
@@ -123,13 +124,11 @@ def test_logits_within_the_quantization_bound(arch):
     assert (pure["embed"].dtype == jnp.int8) == (mode == "int8-all")
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, TOKENS)),
                          jnp.int32)
-    positions = jnp.arange(TOKENS, dtype=jnp.int32)[None]
-    run = jax.jit(forward, static_argnums=0)
-    ref = np.asarray(run(graphdef, params, tokens, positions)[0])
-    got = np.asarray(run(qgraph, qparams, tokens, positions)[0])
+    ref = stacked_logits(graphdef, params, tokens)
+    got = stacked_logits(qgraph, qparams, tokens)
     deq = jax.tree.map(lambda x: x, params)
     nnx.replace_by_pure_dict(deq, dequantized(qcfg, qparams))
-    same = np.asarray(run(graphdef, deq, tokens, positions)[0])
+    same = stacked_logits(graphdef, deq, tokens)
     scale = np.abs(ref).max()
     # the int8 path computes the float model of the dequantized weights
     assert np.abs(got - same).max() <= 1e-5 * scale
@@ -162,9 +161,8 @@ def test_engine_quantizes_a_float_model_and_decodes_greedily():
         out.append(int(np.asarray(step.tokens)[0, 0]))
     # teacher-forced: the quantized model's own argmax at every position of prompt + output
     _, qgraph, qparams = quantize_state(cfg, params, "int8")
-    seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
-    logits = forward(qgraph, qparams, seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None])[0]
-    assert np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1)).tolist() == out
+    logits = stacked_logits(qgraph, qparams, [prompt + out[:-1]])
+    assert logits[0, len(prompt) - 1:].argmax(-1).tolist() == out
 
 
 # ---- checkpoints (the orbax round trip: tests/serving/cli/test_quantization.py) -----------

@@ -27,11 +27,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from devtools.logits import stacked_logits
 from metrale_jax.kernels import int4_matmul
 from metrale_jax.models.quant import KERNEL_MAX_ROWS_INT4, SCALE_SUFFIX, qeinsum, qmatmul
 from metrale_jax.models.quant4 import BLOCK, dequantize4, quantize4
 from metrale_jax.models.quantized_model import quantize_state
-from metrale_jax.models.transformer import forward
 from tests.models.test_quant import TOKENS, random_model
 
 EPS = float(np.finfo(np.float32).eps)
@@ -277,10 +277,10 @@ def test_logits_within_the_quantization_bounds(arch, monkeypatch: pytest.MonkeyP
     assert pure["embed"].dtype == jnp.int8
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, TOKENS)),
                          jnp.int32)
-    positions = jnp.arange(TOKENS, dtype=jnp.int32)[None]
 
-    def run(g, p):  # a new function each time: traced anew (the kernel switch is read then)
-        return np.asarray(jax.jit(lambda p: forward(g, p, tokens, positions))(p)[0])
+    def run(g, p):  # traced anew each time (the kernel switch is read while tracing)
+        jax.clear_caches()
+        return stacked_logits(g, p, tokens)
 
     ref = run(graphdef, params)
     got = run(qgraph, qparams)  # the kernel on a CPU (12 rows)
