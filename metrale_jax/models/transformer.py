@@ -27,6 +27,7 @@ from metrale_jax.models.layers import (
     stacked_axes,
     stacked_modules,
 )
+from metrale_jax.models.m2m100 import abstract_m2m100
 from metrale_jax.models.quant import quantize, quantizes_embeddings
 
 
@@ -108,7 +109,6 @@ def abstract_model(cfg: ModelConfig,
     """The graphdef and a params pytree of `jax.ShapeDtypeStruct`s, allocating nothing (an
     encoder-decoder config: its `M2M100`'s)."""
     if cfg.encoder_decoder is not None:
-        from metrale_jax.models.m2m100 import abstract_m2m100
         return abstract_m2m100(cfg.encoder_decoder, dtype)
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)

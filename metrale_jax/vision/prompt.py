@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.vision.media import check_image_count, image_digest, load_image_url
 from metrale_jax.vision_config import VisionConfig
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
@@ -122,7 +123,6 @@ def prompt_images(images: Sequence[Any], offsets: Sequence[int], digests: Sequen
 def load_refs(refs: Sequence[ImageRef], limits: Any) -> tuple[list[Any], list[str]]:
     """Fetches and decodes every image (blocking: the HTTP server calls this in a thread);
     returns (PIL images, content digests). Raises `InvalidParameterError` naming the part."""
-    from metrale_jax.vision.media import check_image_count, image_digest, load_image_url
     check_image_count(len(refs), limits)
     images, digests = [], []
     for ref in refs:
