@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="timed runs per case (median)")
     args = p.parse_args()
 
+    # heavy imports after parsing: --help starts at once
     import torch
     from transformers import AutoModelForCausalLM
 

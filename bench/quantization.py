@@ -33,6 +33,7 @@ from devtools.logits import rows_logits  # noqa: E402
 from metrale_jax.config import QUANTIZATIONS  # noqa: E402
 from metrale_jax.engine import Engine, EngineConfig, SlotSettings  # noqa: E402
 from metrale_jax.models.unrolled import split_layers  # noqa: E402
+from metrale_jax.text import ChatTemplate  # noqa: E402
 from metrale_jax.weights.checkpoint import load_checkpoint  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper who "
@@ -121,7 +122,6 @@ def main() -> None:
         ckpt = load_checkpoint("default", quantization=mode)
         tok = ckpt.tokenizer
         if base is None:
-            from metrale_jax.text import ChatTemplate
             template = ChatTemplate(ckpt.chat_template)
             prompt = tok.encode(template.render(PROMPT, add_generation_prompt=True),
                                 add_special_tokens=False)

@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a quarter-width 6 + 6 layer model")
     args = p.parse_args()
 
+    # heavy imports after parsing: --help starts at once
     import torch
     import transformers
 

@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a 6-layer, width-256 tower")
     args = p.parse_args()
 
+    # heavy imports after parsing: --help starts at once
     import jax
     import numpy as np
     import torch
