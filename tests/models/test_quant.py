@@ -16,6 +16,8 @@ Tolerances come from the quantization error, not from a run:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,21 +168,26 @@ def test_engine_quantizes_a_float_model_and_decodes_greedily():
 
 
 # ---- checkpoints (the orbax round trip: tests/serving/cli/test_quantization.py) -----------
-def test_gguf_q8_0_tensors_become_int8_per_channel(tmp_path):
-    """Q8_0 blocks (32 inputs, one float16 scale each) are requantized per output channel:
-    the int8 weight is within half a per-channel step of the file's own values."""
-    import dataclasses
-
-    from gguf import GGMLQuantizationType as Q
-
+def load_quantized_gguf(tmp_path, tensor_type, quantization: str):
+    """A tiny llama GGUF of `tensor_type` tensors (tests/weights/test_gguf_reader.py's),
+    loaded with `quantization`: (its spec, the file's exact float values by HF name, the
+    params as a pure dict)."""
     from metrale_jax.weights.assemble import assemble_params
     from metrale_jax.weights.gguf_reader import read_gguf
     from tests.weights.test_gguf_reader import make
-    path, spec, _, exact, _ = make(tmp_path, "llama", types=Q.Q8_0)
+    path, spec, _, exact, _ = make(tmp_path, "llama", types=tensor_type)
     cfg, tensors, _ = read_gguf(path)
-    cfg = dataclasses.replace(cfg, quantization="int8")
-    _, params = assemble_params(cfg, tensors, path)
-    pure = nnx.to_pure_dict(params)
+    _, params = assemble_params(dataclasses.replace(cfg, quantization=quantization), tensors,
+                                path)
+    return spec, exact, nnx.to_pure_dict(params)
+
+
+def test_gguf_q8_0_tensors_become_int8_per_channel(tmp_path):
+    """Q8_0 blocks (32 inputs, one float16 scale each) are requantized per output channel:
+    the int8 weight is within half a per-channel step of the file's own values."""
+    from gguf import GGMLQuantizationType as Q
+
+    spec, exact, pure = load_quantized_gguf(tmp_path, Q.Q8_0, "int8")
     q, scale = pure["blocks"]["mlp"]["down"], pure["blocks"]["mlp"]["down_scale"]
     assert q.dtype == jnp.int8
     want = np.stack([exact[f"model.layers.{i}.mlp.down_proj.weight"].T for i in range(spec.L)])
