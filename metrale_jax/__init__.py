@@ -12,3 +12,6 @@ from metrale_jax.scheduler import SamplingParams
 
 __all__ = ["LLM", "MetraleError", "SamplingParams"]
 __version__ = "0.1.0"
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ()  # its own modules and packages only (never serving nor bench)

@@ -1,7 +1,7 @@
 """Device side: every jit-compiled program lives here (see engine/engine.py).
 
-May import models, config and errors; never scheduler, text or weights (a checkpoint's
-placement reaches the loader as a callable).
+May import models, config, errors and vision (a prompt's `PromptImage` records); never
+scheduler, text or weights (a checkpoint's placement reaches the loader as a callable).
 """
 
 from metrale_jax.engine.config import EngineConfig
@@ -11,3 +11,7 @@ from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput
 
 __all__ = ["DecodeState", "Engine", "EngineConfig", "OutOfPagesError", "Piece", "SamplingState",
            "SlotSettings", "StepOutput"]
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax.config", "metrale_jax.errors", "metrale_jax.models",
+               "metrale_jax.vision")

@@ -51,7 +51,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine import compilation_cache, speculative, steps
 from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
-from metrale_jax.engine.images import ImagePool, PromptImage
+from metrale_jax.engine.images import ImagePool
 from metrale_jax.engine.pages import PageTable
 from metrale_jax.engine.placement import Placement, StepShardings, place
 from metrale_jax.engine.prefix_cache import PrefixCache
@@ -63,6 +63,7 @@ from metrale_jax.errors import ContextLengthError, InvalidParameterError
 from metrale_jax.models.quant4 import is_block_scale
 from metrale_jax.models.seq2seq_ragged import split_seq2seq
 from metrale_jax.models.unrolled import LayerParams, split_layers
+from metrale_jax.vision.prompt import PromptImage
 
 log = logging.getLogger(__name__)
 

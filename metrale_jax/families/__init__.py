@@ -27,3 +27,6 @@ from metrale_jax.families.registry import (
 
 __all__ = ["ARCHITECTURES", "REGISTRY", "CacheKind", "Family", "GgufMetadata", "ModelKind",
            "family_of_config", "family_of_gguf", "family_of_hf"]
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax.errors",)

@@ -153,13 +153,10 @@ def test_make_mesh_checks_the_device_count():
 
 def test_cache_shardings():
     mesh = sharding.make_mesh()
-    cache = sharding.layer_cache_shardings(SMOLLM, 8, 64, mesh)
-    assert len(cache.kt) == len(cache.v) == SMOLLM.num_layers
-    assert cache.kt[0].spec == P(None, None, None, None)  # one device: nothing to shard
+    pool = sharding.page_pool_sharding(SMOLLM, 16, 8, mesh)
+    assert pool.spec == P(None, None, None, None)  # one device: nothing to shard
     big = {"data": 2, "model": 4}
     # SmolLM2's 3 kv heads replicate on model=4; slots shard over data
     assert sharding.partition_spec(("layers", "slots", "kv_heads", "seq", "head_dim"), big,
                                    (30, 8, 3, 64, 64)) == P(None, "data", None, None, None)
-    assert sharding.kv_cache_sharding(SMOLLM, 8, 64, mesh).spec == P(None, None, None, None,
-                                                                      None)
     assert sharding.slot_sharding(8, mesh, trailing=1).spec == P(None, None)

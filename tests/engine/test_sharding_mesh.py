@@ -1,9 +1,10 @@
 """Sharded params and caches on 8 fake CPU devices give the single-device tokens and logits.
 
 One subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=8, set before jax is
-imported) runs this file as a script: for each model it runs a greedy prefill
-(`forward_layers`) and decode steps (`decode_layers`), jitted, once on one device and once per
-mesh of its `MODEL_MESHES` with params, cache and inputs placed by `engine/sharding.py`, and
+imported) runs this file as a script: for each model it runs a greedy prefill and decode steps
+through the engine's ragged layers (`models/ragged.py`: a prompt chunk, then decode rows, over
+page pools), jitted, once on one device and once per mesh of its `MODEL_MESHES` with params
+and page pools placed by `engine/sharding.py`, and
 prints a JSON report that the test below checks. Models: random tiny configs whose head counts
 divide the model axis (and some that do not: kv heads replicated), a tiny Hugging Face
 checkpoint, and the default model (9 heads / 3 kv heads) on mesh (2, 4).
@@ -35,7 +36,7 @@ import pytest
 from tests.fake_devices import print_report, run_child
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-B, T, S, STEPS = 8, 8, 16, 4  # slots, prompt tokens, cache length, decode steps
+B, T, S, STEPS = 8, 8, 16, 4  # rows, prompt tokens, positions per row, decode steps
 
 TINY_BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                  head_dim=16)
@@ -63,46 +64,86 @@ DEFAULT_MODEL_MESHES = MODEL_MESHES["default"]
 
 
 # ---- the child -----------------------------------------------------------------------------
-def _greedy(graph, params, mesh, prompts):
-    """Prefill `prompts` [B, T] then STEPS greedy decode steps; params already placed.
-    Returns (prefill logits [B, T, V], decode logits [STEPS, B, V], tokens [STEPS + 1, B],
-    number of devices the logits live on)."""
+PAGE = 4  # page size: a row's T + STEPS positions span several pages
+
+
+def _pools(cfg, mesh, dtype):
+    """Empty page pools (B rows of S positions, page 0 the null page), placed on `mesh`."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from metrale_jax.engine import sharding
-    from metrale_jax.models.unrolled import LayerCache, decode_layers, forward_layers
 
-    cfg = graph.cfg
+    pages = B * S // PAGE + 1
+    pools = tuple(jnp.zeros((pages, PAGE, 2 * cfg.num_kv_heads, cfg.head_dim), dtype)
+                  for _ in range(cfg.num_layers))
+    if mesh is not None:
+        pools = jax.device_put(pools, sharding.page_pool_sharding(cfg, pages, PAGE, mesh))
+    return pools
 
-    def put(x, spec):
-        return jax.device_put(x, NamedSharding(mesh, spec)) if mesh is not None else x
 
-    prefill = jax.jit(functools.partial(forward_layers, graph))
-    decode = jax.jit(functools.partial(decode_layers, graph), donate_argnums=(3,))
-    tokens = put(jnp.asarray(prompts, jnp.int32), PartitionSpec("data", None))
-    positions = put(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-                    PartitionSpec("data", None))
-    logits, kv = prefill(params, tokens, positions)
+def _layout(rows, positions, n: int):
+    """The `StepLayout` of a step whose tokens are at `positions` of `rows` (the first `n`
+    decode rows, then the prompt chunk); row b owns pages 1 + b * S / PAGE onwards."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from metrale_jax.models.ragged import StepLayout
+
+    table = 1 + np.arange(B * S // PAGE, dtype=np.int32).reshape(B, S // PAGE)
+    slots = table[rows, positions // PAGE] * PAGE + positions % PAGE
+    return StepLayout(slots=jnp.asarray(slots, jnp.int32), dec_table=jnp.asarray(table[:n]),
+                      dec_lens=jnp.asarray(positions[:n] + 1, jnp.int32),
+                      chunk_rows=jnp.asarray(rows[n:], jnp.int32),
+                      page_table=jnp.asarray(table))
+
+
+@functools.cache
+def _step_program(graph, n: int):
+    """One ragged step of `graph` (n decode rows, static) -> (logits [T, V], pools)."""
+    import jax
+
+    from metrale_jax.models.ragged import head, ragged_layers
+
+    def step(params, pools, tokens, positions, layout):
+        x, pools = ragged_layers(graph, params, pools, tokens, positions, layout, n=n)
+        return head(graph, params, x), pools
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def _prefill(graph, params, pools, prompts):
+    """The prompts `[R, T]` (rows 0 .. R-1) as one chunk -> (logits [R, T, V], pools)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    R = len(prompts)
+    rows = np.repeat(np.arange(R, dtype=np.int32), T)
+    positions = np.tile(np.arange(T, dtype=np.int32), R)
+    logits, pools = _step_program(graph, 0)(
+        params, pools, jnp.asarray(np.asarray(prompts).reshape(-1), jnp.int32),
+        jnp.asarray(positions), _layout(rows, positions, 0))
+    return logits.reshape(R, T, -1), pools
+
+
+def _greedy(graph, params, mesh, prompts):
+    """Prefill `prompts` [B, T] then STEPS greedy decode steps, through the engine's ragged
+    layers over page pools; params already placed. Returns (prefill logits [B, T, V], decode
+    logits [STEPS, B, V], tokens [STEPS + 1, B], number of devices the logits live on)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    pools = _pools(graph.cfg, mesh, params.outer["embed"][...].dtype)
+    logits, pools = _prefill(graph, params, pools, prompts)
     devices = len(logits.sharding.device_set)
     pre_logits = np.asarray(logits)
-    k, v = np.asarray(kv.k), np.asarray(kv.v)  # [L, B, K, T, D]
-    K, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-    kt = np.zeros((L, B, K, D, S), k.dtype)
-    kt[..., :T] = k.swapaxes(-1, -2)
-    vv = np.zeros((L, B, K, S, D), v.dtype)
-    vv[:, :, :, :T] = v
-    cache = LayerCache(tuple(jnp.asarray(x) for x in kt), tuple(jnp.asarray(x) for x in vv))
-    if mesh is not None:
-        cache = jax.device_put(cache, sharding.layer_cache_shardings(cfg, B, S, mesh))
     tok = pre_logits[:, -1].argmax(-1).astype(np.int32)
     out_tokens, out_logits = [tok], []
+    rows = np.arange(B, dtype=np.int32)
     for step in range(STEPS):
         pos = np.full((B,), T + step, np.int32)
-        logits, cache = decode(params, put(jnp.asarray(tok), PartitionSpec("data")),
-                               put(jnp.asarray(pos), PartitionSpec("data")), cache)
+        logits, pools = _step_program(graph, B)(params, pools, jnp.asarray(tok),
+                                                jnp.asarray(pos), _layout(rows, pos, B))
         devices = min(devices, len(logits.sharding.device_set))
         logits = np.asarray(logits)
         out_logits.append(logits)
@@ -130,22 +171,18 @@ def _noise_floor(graph, params, prompts, batch_logits) -> dict[str, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from metrale_jax.models.unrolled import forward_layers
-
     others = []
-    prefill = jax.jit(functools.partial(forward_layers, graph))
     for rows in (4, 2, 1):
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (rows, T))
         others.append(np.concatenate([
-            np.asarray(prefill(params, jnp.asarray(prompts[i:i + rows], jnp.int32), pos)[0])
+            np.asarray(_prefill(graph, params, _pools(graph.cfg, None, jnp.float32),
+                                prompts[i:i + rows])[0])
             for i in range(0, len(prompts), rows)]))
     with jax.enable_x64(True):
         wide = jax.tree.map(
             lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x,
             params)
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (len(prompts), T))
-        others.append(np.asarray(jax.jit(functools.partial(forward_layers, graph))(
-            wide, jnp.asarray(prompts, jnp.int32), pos)[0], np.float32))
+        others.append(np.asarray(_prefill(graph, wide, _pools(graph.cfg, None, jnp.float64),
+                                          prompts)[0], np.float32))
     return {"rel": max(_rel(o, batch_logits) for o in others),
             "fro": max(_fro(o, batch_logits) for o in others)}
 
@@ -217,9 +254,9 @@ def child_main(spec: dict) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     """Runs the child once for every model and mesh; its parsed JSON report."""
+    from devtools.hf_models import build_tiny_checkpoint
     from metrale_jax.weights.default_model import default_model_path
     from tests.conftest import CACHE
-    from tests.hf_models import build_tiny_checkpoint
 
     hf = build_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
     checkpoints = [["hf-llama-h4-k2", str(hf), MODEL_MESHES["hf-llama-h4-k2"]]]

@@ -69,8 +69,8 @@ def child_main(spec: dict) -> None:
 # ---- the tests -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
+    from devtools.nllb_models import build_nllb_folder
     from tests.conftest import CACHE
-    from tests.nllb_models import build_nllb_folder
     folder = tmp_path_factory.mktemp("nllb-mesh")
     build_nllb_folder(folder)
     spec = {"folder": str(folder), "cache_dir": str(CACHE)}
