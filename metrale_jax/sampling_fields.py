@@ -305,7 +305,7 @@ FIELDS: tuple[SamplingField, ...] = (
     _F("early_stopping", bool | str, False, "beam search: True, False or \"never\" "
        "(transformers' meanings)", _BEAM, "object", normalise=_early_stopping),
     _F("num_return_sequences", int, 1, "beam search: the best hypotheses returned "
-       "(<= num_beams)", _BEAM, "integer"),
+       "(<= num_beams)", f"{_BEAM}.results", "integer"),
     _F("speculative_tokens", int | None, None, "prompt-lookup draft tokens per step (0 = off, "
        "None = the engine's default)", "metrale_jax.scheduler.ngram_draft.propose", "integer",
        _AT_LEAST_0, nullable=True, note="(0 = off)"),

@@ -1,8 +1,8 @@
 """Device side: every jit-compiled program lives here (see engine/engine.py).
 
-May import models, config, errors and sampling_fields (the table of request settings
-that `SlotSettings` and `SamplingState` derive from); never scheduler, text or weights (a checkpoint's
-placement reaches the loader as a callable).
+May import models, config, errors and sampling_fields (the table of request settings that
+`SlotSettings` and `SamplingState` derive from); never scheduler, text or weights (a
+checkpoint's placement reaches the loader as a callable).
 """
 
 from metrale_jax.engine.config import EngineConfig
