@@ -185,6 +185,12 @@ def test_http_models_carry_every_spelling():
     # A sampling field declared by hand in the request models' base (not from the table)
     # would be a second declaration: only the fields whose JSON shape is the API's own.
     assert base & set(FIELD) <= own
+    # The base's other fields are not sampling settings; a new one that is belongs in the
+    # table (add it there, not here).
+    assert base - own == {
+        "model", "stream", "stream_options", "user", "return_token_ids", "regex", "choice",
+        "grammar", "timeout", "cache_salt", "use_beam_search", "source_lang", "target_lang",
+        "src_lang", "tgt_lang"}
     for s in spellings("openai"):  # chat has every one; completions all but chat's own
         assert s.name in ChatCompletionRequest.model_fields, s.name
         assert s.own or s.name in CompletionRequest.model_fields, s.name
