@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from devtools.hf_models import ARCH_CONFIGS, COMMON
 from metrale_jax import families
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, UnsupportedModelError
@@ -17,7 +18,6 @@ from metrale_jax.families import REGISTRY, family_of_config, family_of_gguf, fam
 from metrale_jax.families.m2m100 import M2M100Config
 from metrale_jax.weights.gguf_names import hf_name
 from metrale_jax.weights.hf_config import llava_model_config, model_config_from_hf
-from tests.hf_models import ARCH_CONFIGS, COMMON
 
 PATH = Path("config.json")
 DECODERS = sorted(name for name, f in REGISTRY.items() if f.kind == "decoder")
@@ -38,8 +38,9 @@ def test_every_family_module_is_registered_once():
 
 def test_architectures_derive_from_the_registry():
     """`ModelConfig.architecture` takes a family's name, never a vision-language wrapper's."""
-    assert families.ARCHITECTURES == tuple(
-        name for name, family in REGISTRY.items() if family.kind != "vision_language")
+    derived = tuple(name for name, family in REGISTRY.items()
+                    if family.kind != "vision_language")
+    assert derived == families.ARCHITECTURES
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "m2m_100"} <= \
         set(families.ARCHITECTURES)
     assert "llava" not in families.ARCHITECTURES
@@ -51,7 +52,7 @@ def test_architectures_derive_from_the_registry():
 
 
 def test_every_decoder_family_has_a_test_model():
-    """tests/hf_models.py builds a tiny transformers model of each decoder family: the
+    """devtools/hf_models.py builds a tiny transformers model of each decoder family: the
     fidelity, greedy and reader tests then cover it."""
     assert set(DECODERS) <= set(ARCH_CONFIGS)
 

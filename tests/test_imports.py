@@ -227,10 +227,6 @@ KNOWN_VIOLATIONS: set[str] = {
     "metrale_jax.engine.speculative takes metrale_jax.engine.steps._slot_of",
     # scheduler helper: multihost becomes its own package
     "metrale_jax.scheduler.multihost -> metrale_jax.weights.lora",
-    # sampling-fields helper: serving/http/protocol.py's bodies get public names
-    "serving.http.responses_api.protocol takes serving.http.protocol._Body",
-    "serving.http.responses_api.protocol takes serving.http.protocol._Sampling",
-    "serving.http.routes.lora takes serving.http.protocol._Body",
 }
 
 

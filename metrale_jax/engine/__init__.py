@@ -1,7 +1,8 @@
 """Device side: every jit-compiled program lives here (see engine/engine.py).
 
-May import models, config, errors and vision (a prompt's `PromptImage` records); never
-scheduler, text or weights (a checkpoint's placement reaches the loader as a callable).
+May import models, config, errors, sampling_fields (the table of request settings that
+`SlotSettings` and `SamplingState` derive from) and vision (a prompt's `PromptImage` records);
+never scheduler, text or weights (a checkpoint's placement reaches the loader as a callable).
 """
 
 from metrale_jax.engine.config import EngineConfig
@@ -14,4 +15,4 @@ __all__ = ["DecodeState", "Engine", "EngineConfig", "OutOfPagesError", "Piece", 
 
 # The project packages this package's modules may import besides its own (tests/test_imports.py).
 MAY_IMPORT = ("metrale_jax.config", "metrale_jax.errors", "metrale_jax.models",
-               "metrale_jax.vision")
+               "metrale_jax.sampling_fields", "metrale_jax.vision")

@@ -32,4 +32,4 @@ __all__ = [
 
 # The project packages this package's modules may import besides its own (tests/test_imports.py).
 MAY_IMPORT = ("metrale_jax.config", "metrale_jax.engine", "metrale_jax.errors",
-               "metrale_jax.text")
+               "metrale_jax.sampling_fields", "metrale_jax.text")
