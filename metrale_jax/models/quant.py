@@ -23,7 +23,7 @@ verify, small prefill chunks) runs a C++ XLA FFI kernel instead
 user; `METRALE_INT8_KERNEL=0` or no compiler keeps the XLA form). It reads each int8 weight
 byte once per call: on a 30-layer 576x1536 matvec stack, 1.7 ms against float32's 8.3 ms
 and the XLA int8 form's 67 ms (one row; four rows: 3.1, 14.2 and 63 ms), and the default
-model decodes int8 about 2x faster than float32 (README, "int8 weights").
+model decodes int8 about 2x faster than float32 (docs/quantization.md, "int8 weights").
 
 Larger products (prefill) keep XLA's form, which jaxlib 0.10's XLA:CPU compiles to a
 separate convert of the weight to float32 (a loop fusion, not fused into the dot) followed by
