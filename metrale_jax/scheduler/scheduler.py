@@ -353,7 +353,7 @@ class Scheduler(SpeculativeDecoding):
         """Fails every in-flight and waiting request with `error` and refuses new ones.
 
         Safe from any thread even while the loop thread is stuck (a multi-host peer died
-        inside a collective: scheduler/multihost.py); a loop that still runs ends at its next
+        inside a collective: metrale_jax/multihost/); a loop that still runs ends at its next
         iteration. Events after a request's `Failed` are ignored by its handle.
         """
         with self._lock:
