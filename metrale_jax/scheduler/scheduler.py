@@ -25,8 +25,10 @@ Backpressure: `max_waiting` bounds the queue; the slots bound the work in flight
 
 The scheduler owns its parts, each built here from the engine: request validation
 (validation.py), the LoRA registry (lora_registry.py), the rows (rows.py), chunk planning
-under the step budget with the prefix cache (chunks.py), beam rows (beam_rows.py, beside the
-search in beam.py), speculation (speculation.py) and grammar masks (grammar_slots.py).
+under the step budget with the prefix cache (chunks.py), the launched steps and the decode
+state (steps.py), beam rows (beam_rows.py, beside the search in beam.py), speculation
+(speculation.py) and grammar masks (grammar_slots.py). This module is the loop and the
+caller side: the waiting queue, admissions, cancels, deadlines and preemption.
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-
 from metrale_jax.errors import BusyError
 from metrale_jax.scheduler.beam_rows import BeamRows
 from metrale_jax.scheduler.chunks import ChunkPlanner
@@ -48,9 +48,10 @@ from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.lora_registry import LoraMix, LoraRegistry
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
-from metrale_jax.scheduler.rows import Pending, Rows
+from metrale_jax.scheduler.rows import Rows
 from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.speculation import Speculation
+from metrale_jax.scheduler.steps import StepRunner
 from metrale_jax.scheduler.validation import RequestValidator
 from metrale_jax.scheduler.waiting import WaitingQueue
 
@@ -72,7 +73,7 @@ class Scheduler:
             slots in order before serving; a request names one in `SamplingParams.lora`.
 
     Parts (built here, used by the loop thread): `validator`, `loras`, `rows`, `chunks`,
-    `beams`, `speculation`, `grammar`.
+    `beams`, `speculation`, `steps`, `grammar`.
     """
 
     def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
@@ -104,10 +105,21 @@ class Scheduler:
         self.beams = BeamRows(engine, tokenizer, self.eos_token_ids, self.max_len, self.rows,
                               self.grammar, self.stats)
         self.speculation = Speculation(engine, self.rows, self.grammar, self.stats)
+        self.steps = StepRunner(engine, self.rows, self.grammar, self.chunks, self.beams,
+                                self.speculation, self.stats)
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
     # ---- caller side -------------------------------------------------------------------
+    @property
+    def state(self) -> Any:
+        """The engine's decode state (`StepRunner.state`; the loop thread's)."""
+        return self.steps.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.steps.state = state
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Blocks until warmup has ended; True when it succeeded and the loop is serving,
         False on a timeout or when warmup failed (`startup_error` then says why)."""
@@ -217,7 +229,7 @@ class Scheduler:
                 self.engine.warmup(progress=self._warmup_progress)
             elif self._warmup:
                 self.engine.warmup()
-            self.state = self.engine.init_decode_state()
+            self.steps.reset_state()
             self.loras.load_initial()
         except Exception as e:  # nothing can be served: fail whatever is queued
             log.exception("engine warmup failed")
@@ -228,12 +240,11 @@ class Scheduler:
             self._ready.set()
             return
         self._ready.set()
-        pending: collections.deque[Pending] = collections.deque()
         while True:
             with self._lock:
                 if not self._running:
                     break
-                if (not self._waiting and not self.rows.busy() and not pending
+                if (not self._waiting and not self.rows.busy() and not self.steps.pending
                         and self.loras.idle):
                     self._wake.wait(timeout=1.0)
                 cancelled, self._cancelled = self._cancelled, set()
@@ -241,29 +252,23 @@ class Scheduler:
                 self._drop(cancelled)
                 self.loras.run_ops(self._lora_users)
                 self._admit()
-                step = None
+                launched = False
                 if self.rows.busy():
                     if not self.rows.prefilling and (
                             self.grammar.must_drain(self.rows.decoding())
                             or self.speculation.speculating()):
-                        while pending:  # nothing to overlap with (drafts need the tokens)
-                            self._consume(pending.popleft())
-                    step = self._launch_step(pending)
-                    if step is not None:
-                        pending.append(step)
+                        self.steps.drain()  # nothing to overlap with (drafts need the tokens)
+                    launched = self.steps.launch(self._preempt)
                 # Read outputs one step late: keep the newest in flight while a step was
                 # launched (rows waiting on a step's output, as beams do, get it now).
-                keep = 1 if step is not None else 0
-                while len(pending) > keep:
-                    self._consume(pending.popleft())
+                self.steps.read(keep=1 if launched else 0)
             except Exception as e:
                 log.exception("batching loop iteration failed")
                 self.stats["loop_errors"] += 1
-                pending.clear()
-                self.beams.reset()
+                self.steps.clear()
                 self._fail_slots(e)
                 try:
-                    self.state = self.engine.init_decode_state()
+                    self.steps.reset_state()
                 except Exception:
                     log.exception("could not rebuild the decode state")
         self._shutdown()
@@ -323,46 +328,6 @@ class Scheduler:
                 self.beams.start(seq, slots)
         self.stats["admitted"] += sum(1 for _, s in admitted if not s.token_ids)
 
-    def _launch_step(self, pending: collections.deque) -> Pending | None:
-        """Launches one ragged step: decoding rows plus prompt pieces (None: nothing can
-        run). Preempts when a decoding row needs a page the pool cannot give."""
-        B = self.num_slots
-        engine = self.engine
-        while True:
-            active, allowed = self.grammar.step_inputs(self.rows.decoding())
-            k = 1 if self.rows.prefilling else engine.config.decode_steps
-            need = sum(engine.pages.shortfall(int(b), int(engine.lengths[b]) + k)
-                       for b in np.flatnonzero(active))
-            if need <= engine.pages.free_pages:
-                break
-            if pending:  # read every launched step first: a victim's tokens must be known
-                while pending:
-                    self._consume(pending.popleft())
-                continue
-            if not self._preempt():
-                return None
-        pieces = self.chunks.plan(need) if self.rows.prefilling else []
-        if not active.any() and not pieces:
-            return None
-        if not pieces and not pending:
-            drafts = self.speculation.drafts(active)
-            if drafts is not None:
-                self.state, launched = self.speculation.verify(self.state, active, allowed,
-                                                               drafts)
-                return launched
-        self.state, out = engine.step(self.state, active, allowed, [p for p, _ in pieces])
-        _start_copy(out)
-        self.stats["steps"] += 1
-        owners = self.rows.decode_owners(active)
-        r = 0
-        for piece, seq in pieces:
-            if piece.settings is not None:
-                owners.append((B + r, piece.slot, seq))
-                self.rows.prefilling.remove(piece.slot)
-                r += 1
-        self.grammar.launched(np.array([slot for _, slot, _ in owners], np.int64))
-        return Pending(out, owners)
-
     def _preempt(self) -> bool:
         """Frees the most recently admitted sequence's row and puts its request back at the
         head of the queue (recomputed later); a sequence alone that outgrew the pool ends
@@ -387,39 +352,6 @@ class Scheduler:
             self._waiting.appendleft(seq)
         return True
 
-    def _consume(self, pending: Pending) -> None:
-        """Reads a launched step's output: each owner row's tokens go to its sequence (a
-        beam row's top list to its search); finished rows are freed."""
-        out = pending.output
-        tokens = np.asarray(out.tokens)
-        logprobs = np.asarray(out.logprobs)
-        top_ids = np.asarray(out.top_ids)
-        top_lps = np.asarray(out.top_logprobs)
-        B = self.num_slots
-        for col, slot, seq in pending.owners:
-            if self.rows[slot] is not seq or seq.finished:
-                continue
-            self.grammar.consumed(slot)
-            if seq.beam is not None:
-                self.beams.output(seq, top_ids[0, col], top_lps[0, col])
-                continue
-            steps = tokens.shape[0] if col < B else 1
-            if pending.emitted is not None:
-                steps = int(pending.emitted[col])
-            for k in range(steps):
-                seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
-                              top_ids[k, col], top_lps[k, col])
-                self.stats["tokens"] += 1
-                if seq.finished:
-                    break
-            if slot not in self.rows.prefilling:  # pages its decoding filled join the cache
-                self.chunks.offer_pages(slot, seq, int(self.engine.lengths[slot]))
-            if seq.finished:
-                self.rows.free(slot)
-                self.stats["finished"] += 1  # counted before the client can see the end
-                seq.post_final()
-        self.state = self.beams.flush(self.state)
-
     def _fail_slots(self, error: BaseException) -> None:
         self.rows.end_each(lambda seq: Failed(error))
 
@@ -438,10 +370,3 @@ class Scheduler:
             waiting = self._waiting.clear()
         for seq in waiting:
             seq.handle.post(shutdown(seq))
-
-def _start_copy(output: Any) -> None:
-    """Starts the device-to-host copy of a step output without waiting for it."""
-    for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
-        arr = getattr(output, name, None)
-        if hasattr(arr, "copy_to_host_async"):
-            arr.copy_to_host_async()
