@@ -116,6 +116,15 @@ class Rows:
                 seq.handle.post(event(seq))
                 self.free(i)
 
+    def end_where(self, ended: Callable[[Sequence], bool],
+                  event: Callable[[Sequence], Event]) -> None:
+        """Frees every row whose sequence is `ended`, then posts it `event(seq)` (a client
+        that saw its request end sees its slot free)."""
+        for i, seq in enumerate(self.seqs):
+            if seq is not None and ended(seq):
+                self.free(i)
+                seq.handle.post(event(seq))
+
     def decoding(self) -> list[Sequence | None]:
         """The slots' sequences that decode (None for free rows, rows still prefilling and
         beam rows waiting for their search's next step)."""

@@ -280,27 +280,23 @@ class Scheduler:
         return waiting + [s for s in self.rows.seqs if s is not None]
 
     def _drop(self, cancelled: set[str]) -> None:
+        """Ends the cancelled requests and those past their deadline, running or waiting."""
         now = time.monotonic()
-        for i, seq in enumerate(self.rows.seqs):
-            if seq is None:
-                continue
-            # The row is freed before the last event goes out: a client that saw its request
-            # end sees its slot free.
+
+        def gone(seq: Sequence) -> bool:
+            return seq.request.request_id in cancelled or (
+                seq.request.deadline is not None and now > seq.request.deadline)
+
+        def event(seq: Sequence) -> Cancelled | TimedOut:
             if seq.request.request_id in cancelled:
-                self.rows.free(i)
-                seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated))
-            elif seq.request.deadline is not None and now > seq.request.deadline:
-                self.rows.free(i)
-                seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
+                return Cancelled(seq.prompt_len, seq.num_generated)
+            return TimedOut(seq.prompt_len, seq.num_generated)
+
+        self.rows.end_where(gone, event)
         with self._lock:
-            gone = self._waiting.remove_where(
-                lambda seq: seq.request.request_id in cancelled
-                or (seq.request.deadline is not None and now > seq.request.deadline))
-        for seq in gone:
-            if seq.request.request_id in cancelled:
-                seq.handle.post(Cancelled(seq.prompt_len, seq.num_generated))
-            else:
-                seq.handle.post(TimedOut(seq.prompt_len, seq.num_generated))
+            dropped = self._waiting.remove_where(gone)
+        for seq in dropped:
+            seq.handle.post(event(seq))
 
     def _admit(self) -> None:
         """Moves waiting requests into free slots (lowest first), round-robin across tenants
