@@ -1,5 +1,10 @@
 """Host side: requests, slots, the batching loop thread, detokenizing and stops.
 
+`Scheduler` (scheduler.py) runs the loop and owns its parts: request validation
+(validation.py), the LoRA registry (lora_registry.py), the rows (rows.py), chunk planning
+(chunks.py), the steps in flight (steps.py), beam rows (beam_rows.py, over beam.py's search),
+speculation (speculation.py) and grammar masks (grammar_slots.py).
+
 May import engine, text, config and errors; never weights (it is handed a loaded engine).
 """
 

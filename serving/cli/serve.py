@@ -31,8 +31,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if processes == 1:
         return _serve(args, 0, 1)
     # Multi-host: every way out is os._exit, since jax.distributed's shutdown barrier would
-    # wait for processes that may be gone (metrale_jax/scheduler/multihost.py).
-    from metrale_jax.scheduler.multihost import exit_now
+    # wait for processes that may be gone (metrale_jax/multihost/).
+    from metrale_jax.multihost import exit_now
     code = 1
     try:
         code = _serve(args, pid, processes)
@@ -190,7 +190,7 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
         translation_model(args.model, args.source_lang, args.target_lang)
     settings = server_settings(args, pid, processes)
     from serving.progress import StageProgress
-    for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.scheduler.multihost"):
+    for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.multihost"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     print(f"metrale: loading {args.model} ...", file=sys.stderr)
     progress = StageProgress()

@@ -4,7 +4,7 @@ Loading (weights, engine, warmup) runs in a worker thread started by `start()`; 
 keeps answering (/health is 503) until `state` is "ready". Nothing here runs JAX on the event
 loop: the scheduler's thread owns the engine.
 
-Multi-host (`settings.num_processes > 1`, metrale_jax/scheduler/multihost.py): once the engine
+Multi-host (`settings.num_processes > 1`, metrale_jax/multihost/): once the engine
 is placed, every process joins the side channel. Process 0 runs the scheduler over a
 `LeaderEngine` (each engine call reaches every process); the others warm up and replay the
 calls in a thread, and their app answers only /health. A lost peer fails every request with
@@ -189,7 +189,7 @@ class ModelRuntime:
         """Opens the multi-host side channel. Process 0: returns its engine wrapped so that
         every call reaches the other processes. A follower: warms up, starts replaying
         process 0's calls in a thread, and returns None."""
-        from metrale_jax.scheduler import multihost
+        from metrale_jax import multihost
         s = self.settings
         self._channel = multihost.connect(s.process_id, s.num_processes, self._peer_lost)
         if s.process_id == 0:
@@ -207,9 +207,15 @@ class ModelRuntime:
 
     def _follow(self, engine: Any) -> None:
         """A follower's thread: replays process 0's calls; exits the process when it ends."""
-        from metrale_jax.scheduler import multihost
+        from metrale_jax import multihost
+        from metrale_jax.weights.lora import load_peft_adapter
+
+        def load_adapter(path: str, name: str) -> Any:
+            return load_peft_adapter(path, engine.model_config, name,
+                                     engine.config.max_lora_rank)
+
         try:
-            multihost.run_follower(engine, self._channel)
+            multihost.run_follower(engine, self._channel, load_adapter)
         except BaseException as e:
             if self.state == "stopped":  # our own stop() hung up
                 return
@@ -224,7 +230,7 @@ class ModelRuntime:
     def _peer_lost(self, error: BaseException) -> None:
         """A peer is gone. Process 0: every request fails with `error`, then the process exits
         (after `PEER_LOST_GRACE_S`, time for the answers to go out). A follower exits now."""
-        from metrale_jax.scheduler import multihost
+        from metrale_jax import multihost
         if self.state == "stopped":  # our own stop hung up
             return
         self.error, self.state = error, "failed"

@@ -94,7 +94,7 @@ def test_beams_beside_other_requests_give_their_answer_alone_and_compile_nothing
     compiles = engine.compile_count
     llm.generate(prompts, mixed)
     assert engine.compile_count == compiles
-    assert not any(sched._slots)
+    assert not sched.rows.busy()
     sched.engine.pages.check()
 
 
@@ -107,7 +107,7 @@ def test_a_cancelled_beam_search_frees_its_rows(beam_setup):
     events = list(handle)
     assert not any(isinstance(e, Finished) for e in events)
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))  # a loop pass after the cancel
-    assert not any(sched._slots)
+    assert not sched.rows.busy()
     sched.engine.pages.check()
 
 

@@ -12,9 +12,9 @@ import threading
 import numpy as np
 import pytest
 
+from metrale_jax import multihost as mh
 from metrale_jax.engine import SlotSettings
 from metrale_jax.errors import InvalidParameterError, PeerLostError
-from metrale_jax.scheduler import multihost as mh
 
 
 class FakeEngine:

@@ -34,7 +34,7 @@ SHAPES = ["--max-slots", "2", "--max-len", "256", "--max-prefill-len", "16",
           "--prefix-cache-min-tokens", "0"]
 PROMPT = "The quick brown fox"
 EXIT_TIMEOUT_S = 90  # a process with a lost peer must be gone within this
-EXIT_PEER_LOST = 3  # metrale_jax.scheduler.multihost.EXIT_PEER_LOST
+EXIT_PEER_LOST = 3  # metrale_jax.multihost.EXIT_PEER_LOST
 
 
 def _build_model(folder: Path) -> Path:

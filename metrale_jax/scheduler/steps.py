@@ -1,0 +1,150 @@
+"""The steps in flight: launching each ragged step and reading its output one step late.
+
+A step runs every decoding row's next token(s) plus the chunk of prompt pieces that
+`ChunkPlanner` chose (or, when rows may draft and no prompt is being prefilled, a verify step
+of `Speculation`). Its output starts copying to the host at once and is read on a later
+iteration (`read`), so the device is never idle while Python detokenizes: each owner row's
+tokens go to its sequence, a beam row's top list to its search (`BeamRows`).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from metrale_jax.scheduler.beam_rows import BeamRows
+from metrale_jax.scheduler.chunks import ChunkPlanner
+from metrale_jax.scheduler.grammar_slots import GrammarSlots
+from metrale_jax.scheduler.rows import Pending, Rows
+from metrale_jax.scheduler.speculation import Speculation
+
+
+class StepRunner:
+    """The decode state of one engine and its launched steps (loop thread only).
+
+    Args:
+        engine: the `Engine` (`step`, `init_decode_state`, `pages`, `lengths`).
+        rows, grammar, chunks, beams, speculation: the scheduler's parts.
+        stats: the scheduler's counters ("steps", "tokens", "finished").
+
+    Attributes:
+        state: the engine's `DecodeState` (None until `reset_state`).
+        pending: the launched steps not read yet, oldest first.
+    """
+
+    def __init__(self, engine: Any, rows: Rows, grammar: GrammarSlots, chunks: ChunkPlanner,
+                 beams: BeamRows, speculation: Speculation, stats: collections.Counter):
+        self.engine = engine
+        self.rows = rows
+        self.grammar = grammar
+        self.chunks = chunks
+        self.beams = beams
+        self.speculation = speculation
+        self.stats = stats
+        self.state: Any = None
+        self.pending: collections.deque[Pending] = collections.deque()
+
+    def reset_state(self) -> None:
+        """A fresh decode state (at start, and after a failed iteration)."""
+        self.state = self.engine.init_decode_state()
+
+    def clear(self) -> None:
+        """Forgets the steps in flight and the beam rows not set (a failed iteration)."""
+        self.pending.clear()
+        self.beams.reset()
+
+    def drain(self) -> None:
+        """Reads every launched step."""
+        self.read(keep=0)
+
+    def read(self, keep: int) -> None:
+        """Reads launched steps, oldest first, until `keep` are left in flight."""
+        while len(self.pending) > keep:
+            self.consume(self.pending.popleft())
+
+    def launch(self, preempt: Callable[[], bool]) -> bool:
+        """Launches one ragged step: decoding rows plus prompt pieces; False when nothing
+        can run. When a decoding row needs a page the pool cannot give, the steps in flight
+        are read first (a victim's tokens must be known), then `preempt()` frees a row (it
+        returns False when none could be freed)."""
+        B = len(self.rows)
+        engine = self.engine
+        while True:
+            active, allowed = self.grammar.step_inputs(self.rows.decoding())
+            k = 1 if self.rows.prefilling else engine.config.decode_steps
+            need = sum(engine.pages.shortfall(int(b), int(engine.lengths[b]) + k)
+                       for b in np.flatnonzero(active))
+            if need <= engine.pages.free_pages:
+                break
+            if self.pending:
+                self.drain()
+                continue
+            if not preempt():
+                return False
+        pieces = self.chunks.plan(need) if self.rows.prefilling else []
+        if not active.any() and not pieces:
+            return False
+        if not pieces and not self.pending:
+            drafts = self.speculation.drafts(active)
+            if drafts is not None:
+                self.state, launched = self.speculation.verify(self.state, active, allowed,
+                                                               drafts)
+                self.pending.append(launched)
+                return True
+        self.state, out = engine.step(self.state, active, allowed, [p for p, _ in pieces])
+        _start_copy(out)
+        self.stats["steps"] += 1
+        owners = self.rows.decode_owners(active)
+        r = 0
+        for piece, seq in pieces:
+            if piece.settings is not None:
+                owners.append((B + r, piece.slot, seq))
+                self.rows.prefilling.remove(piece.slot)
+                r += 1
+        self.grammar.launched(np.array([slot for _, slot, _ in owners], np.int64))
+        self.pending.append(Pending(out, owners))
+        return True
+
+    def consume(self, pending: Pending) -> None:
+        """Reads a launched step's output: each owner row's tokens (`[k, B + r]`) go to its
+        sequence (a beam row's top list to its search); finished rows are freed."""
+        out = pending.output
+        tokens = np.asarray(out.tokens)
+        logprobs = np.asarray(out.logprobs)
+        top_ids = np.asarray(out.top_ids)
+        top_lps = np.asarray(out.top_logprobs)
+        B = len(self.rows)
+        for col, slot, seq in pending.owners:
+            if self.rows[slot] is not seq or seq.finished:
+                continue
+            self.grammar.consumed(slot)
+            if seq.beam is not None:
+                self.beams.output(seq, top_ids[0, col], top_lps[0, col])
+                continue
+            steps = tokens.shape[0] if col < B else 1
+            if pending.emitted is not None:
+                steps = int(pending.emitted[col])
+            for k in range(steps):
+                seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
+                              top_ids[k, col], top_lps[k, col])
+                self.stats["tokens"] += 1
+                if seq.finished:
+                    break
+            if slot not in self.rows.prefilling:  # pages its decoding filled join the cache
+                self.chunks.offer_pages(slot, seq, int(self.engine.lengths[slot]))
+            if seq.finished:
+                self.rows.free(slot)
+                self.stats["finished"] += 1  # counted before the client can see the end
+                seq.post_final()
+        self.state = self.beams.flush(self.state)
+
+
+def _start_copy(output: Any) -> None:
+    """Starts the device-to-host copy of a step output without waiting for it."""
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+        arr = getattr(output, name, None)
+        if hasattr(arr, "copy_to_host_async"):
+            arr.copy_to_host_async()
