@@ -225,8 +225,6 @@ KNOWN_VIOLATIONS: set[str] = {
     "metrale_jax.engine.engine -> metrale_jax.weights.lora",
     "metrale_jax.engine.speculative takes metrale_jax.engine.steps._pad_columns",
     "metrale_jax.engine.speculative takes metrale_jax.engine.steps._slot_of",
-    # scheduler helper: multihost becomes its own package
-    "metrale_jax.scheduler.multihost -> metrale_jax.weights.lora",
 }
 
 

@@ -69,3 +69,6 @@ __all__ = [
     "run_follower",
     "side_channel_address",
 ]
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax.engine", "metrale_jax.errors")

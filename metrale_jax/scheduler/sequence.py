@@ -70,7 +70,7 @@ class Sequence:
         # The adapters ((engine slot, weight) pairs; empty: none) change every key and value:
         # `lora_key` (which loads, at which weights) is part of the root.
         self.lora = lora
-        # Beam search (scheduler._BeamGroup): the request's group and which running beam this
+        # Beam search (beam_rows.BeamGroup): the request's group and which running beam this
         # row holds now; None for every other request.
         self.beam = None
         self.beam_index = 0
