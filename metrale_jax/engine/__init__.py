@@ -5,9 +5,10 @@ placement reaches the loader as a callable).
 """
 
 from metrale_jax.engine.config import EngineConfig
-from metrale_jax.engine.engine import Engine, OutOfPagesError, Piece
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.pieces import OutOfPagesError, Piece, plan_pieces
 from metrale_jax.engine.sampling import SamplingState
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput
 
 __all__ = ["DecodeState", "Engine", "EngineConfig", "OutOfPagesError", "Piece", "SamplingState",
-           "SlotSettings", "StepOutput"]
+           "SlotSettings", "StepOutput", "plan_pieces"]

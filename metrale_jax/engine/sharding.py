@@ -2,14 +2,15 @@
 
 Arrays declare logical axis names beside their shapes: the params in `models/layers.py`,
 `models/transformer.py` and `models/unrolled.py` (`ATTENTION_AXES`, `TRANSFORMER_AXES`,
-`LAYER_PARAMS_AXES`, ...), the caches in `models/kv_cache.py` and `models/unrolled.py`
-(`KV_CACHE_AXES`, `LAYER_KEY_AXES`, `LAYER_VALUE_AXES`), the per-slot arrays in
-`engine/state.py` (`SLOT_AXES`). `RULES` maps each name to a mesh axis or None (replicated):
+`LAYER_PARAMS_AXES`, ...), the page pools in `models/ragged.py` (`PAGE_AXES`), the per-slot
+arrays in `engine/state.py` (`SLOT_AXES`). `RULES` maps each name to a mesh axis or None
+(replicated):
 
 - tensor parallelism on "model": attention heads and kv heads, the MLP's hidden axis and the
   vocabulary (embedding rows and LM-head columns); each device holds 1/model of those params
   and XLA inserts the all-reduces / all-gathers;
-- decode slots (and prefill rows) on "data": the KV cache is sharded over slots and kv heads.
+- decode slots on "data": the per-slot arrays (positions, token histories, sampling state)
+  are sharded over slots; the KV page pools over kv heads only (every row shares the pages).
 
 An axis whose size does not divide by its mesh axis is replicated instead (see
 `partition_spec`). For kv heads this is the rule the issue asks for: with K kv heads fewer than
@@ -41,17 +42,11 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import InvalidParameterError
-from metrale_jax.models.kv_cache import KV_CACHE_AXES
 from metrale_jax.models.layers import AxesTable, LogicalAxes
 from metrale_jax.models.quant import SCALE_SUFFIX
+from metrale_jax.models.ragged import PAGE_AXES
 from metrale_jax.models.transformer import TRANSFORMER_AXES
-from metrale_jax.models.unrolled import (
-    LAYER_KEY_AXES,
-    LAYER_PARAMS_AXES,
-    LAYER_VALUE_AXES,
-    LayerCache,
-    LayerParams,
-)
+from metrale_jax.models.unrolled import LAYER_PARAMS_AXES, LayerParams
 
 log = logging.getLogger(__name__)
 
@@ -308,24 +303,6 @@ def abstract_params(params: Any, mesh: Mesh) -> Any:
 
 
 # ---- caches ------------------------------------------------------------------------------
-def layer_cache_shardings(cfg: ModelConfig, slots: int, length: int,
-                          mesh: Mesh) -> LayerCache:
-    """The shardings of a `LayerCache` of `slots` B and `length` S: per layer keys
-    `[B, K, D, S]` and values `[B, K, S, D]`, slots on "data" and kv heads on "model" (each
-    replicated when it does not divide)."""
-    K, D = cfg.num_kv_heads, cfg.head_dim
-    kt = named_sharding(LAYER_KEY_AXES, mesh, (slots, K, D, length))
-    v = named_sharding(LAYER_VALUE_AXES, mesh, (slots, K, length, D))
-    L = cfg.num_layers
-    return LayerCache((kt,) * L, (v,) * L)
-
-
-def kv_cache_sharding(cfg: ModelConfig, slots: int, length: int, mesh: Mesh) -> NamedSharding:
-    """The sharding of a stacked `KVCache` k or v `[L, B, K, S, D]`."""
-    shape = (cfg.num_layers, slots, cfg.num_kv_heads, length, cfg.head_dim)
-    return named_sharding(KV_CACHE_AXES, mesh, shape)
-
-
 def slot_sharding(slots: int, mesh: Mesh, trailing: int = 0) -> NamedSharding:
     """The sharding of a per-slot array `[B, ...]` (`trailing` replicated dimensions after
     B): slots on "data" when B divides by it."""
@@ -337,7 +314,6 @@ def page_pool_sharding(cfg: ModelConfig, num_pages: int, page_size: int,
     """The sharding of one layer's page pool `[N, ps, 2K, D]`: the interleaved key/value heads
     on "model" when K divides by it (each device holds whole key/value pairs), else
     replicated; pages are shared by every row, so they are not split over "data"."""
-    from metrale_jax.models.ragged import PAGE_AXES
     K, D = cfg.num_kv_heads, cfg.head_dim
     spec = partition_spec(PAGE_AXES, mesh, (num_pages, page_size, K, D))
     return NamedSharding(mesh, spec)

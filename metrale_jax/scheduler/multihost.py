@@ -56,7 +56,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from metrale_jax.engine.engine import Piece
+from metrale_jax.engine import Piece
 from metrale_jax.engine.state import SlotSettings
 from metrale_jax.errors import MetraleError, PeerLostError
 

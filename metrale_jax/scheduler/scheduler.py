@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from metrale_jax.engine.engine import Piece
+from metrale_jax.engine import Piece
 from metrale_jax.engine.images import find_image_offsets, remaining_images
 from metrale_jax.engine.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from metrale_jax.errors import BusyError, ContextLengthError, InvalidParameterError

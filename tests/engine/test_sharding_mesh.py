@@ -1,10 +1,11 @@
 """Sharded params and caches on 8 fake CPU devices give the single-device tokens and logits.
 
 One subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=8, set before jax is
-imported) runs this file as a script: for each model it runs a greedy prefill
-(`forward_layers`) and decode steps (`decode_layers`), jitted, once on one device and once per
-mesh of its `MODEL_MESHES` with params, cache and inputs placed by `engine/sharding.py`, and
-prints a JSON report that the test below checks. Models: random tiny configs whose head counts
+imported) runs this file as a script: for each model it runs a greedy prefill and decode
+steps through the engine's paged path (`models/ragged.py`'s `ragged_layers` and `head` over
+page pools), jitted, once on one device and once per mesh of its `MODEL_MESHES` with params
+and page pools placed by `engine/sharding.py`, and prints a JSON report that the test below
+checks. Models: random tiny configs whose head counts
 divide the model axis (and some that do not: kv heads replicated), a tiny Hugging Face
 checkpoint, and the default model (9 heads / 3 kv heads) on mesh (2, 4).
 
@@ -26,7 +27,6 @@ magnitude above the bound (the closing note of issue #13 shows such a mutation f
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
@@ -63,46 +63,80 @@ DEFAULT_MODEL_MESHES = MODEL_MESHES["default"]
 
 
 # ---- the child -----------------------------------------------------------------------------
-def _greedy(graph, params, mesh, prompts):
-    """Prefill `prompts` [B, T] then STEPS greedy decode steps; params already placed.
-    Returns (prefill logits [B, T, V], decode logits [STEPS, B, V], tokens [STEPS + 1, B],
-    number of devices the logits live on)."""
+PAGE = 8  # positions per page: each row holds S // PAGE pages of its own
+
+
+def _paged_forward(graph, mesh):
+    """The production forward of one ragged step (`models/ragged.py`'s `ragged_layers` over
+    page pools, then `head`), jitted: `(params, pages, tokens [T], positions [T], rows [T],
+    n) -> (logits [T, V], pages)`; the first n tokens are decode rows 0 .. n-1 (their pages'
+    keys up to their position), the rest one chunk (rows: each token's row). Each row r
+    holds pages 1 + r * S / PAGE ..."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
+
+    from metrale_jax.engine.steps import slot_of
+    from metrale_jax.models.ragged import StepLayout, head, ragged_layers
+
+    table = 1 + jnp.arange(B * (S // PAGE), dtype=jnp.int32).reshape(B, S // PAGE)
+
+    def forward(params, pages, tokens, positions, rows, n):
+        slots = slot_of(table[rows], positions, jnp.ones_like(rows, jnp.bool_), PAGE)
+        layout = StepLayout(slots=slots, dec_table=table[:n], dec_lens=positions[:n] + 1,
+                            chunk_rows=rows[n:], page_table=table)
+        x, pages = ragged_layers(graph, params, pages, tokens, positions, layout, n=n)
+        return head(graph, params, x), pages
+
+    return jax.jit(forward, static_argnums=(5,), donate_argnums=(1,))
+
+
+def _empty_pages(cfg, mesh, dtype):
+    """Every layer's page pool `[N, PAGE, 2K, D]`, zeros, placed by `page_pool_sharding`."""
+    import jax
+    import jax.numpy as jnp
 
     from metrale_jax.engine import sharding
-    from metrale_jax.models.unrolled import LayerCache, decode_layers, forward_layers
+
+    N = 1 + B * (S // PAGE)  # page 0: the null page
+    pages = tuple(jnp.zeros((N, PAGE, 2 * cfg.num_kv_heads, cfg.head_dim), dtype)
+                  for _ in range(cfg.num_layers))
+    if mesh is not None:
+        pages = jax.device_put(pages, sharding.page_pool_sharding(cfg, N, PAGE, mesh))
+    return pages
+
+
+def _prefill(forward, params, pages, prompts):
+    """`prompts` [R, T] prefilled as one chunk (rows 0 .. R-1) -> (logits [R, T, V], pages)."""
+    import jax.numpy as jnp
+
+    R = len(prompts)
+    tokens = jnp.asarray(prompts, jnp.int32).reshape(-1)
+    positions = jnp.tile(jnp.arange(T, dtype=jnp.int32), R)
+    rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), T)
+    logits, pages = forward(params, pages, tokens, positions, rows, 0)
+    return logits.reshape(R, T, -1), pages
+
+
+def _greedy(graph, params, mesh, prompts):
+    """Prefill `prompts` [B, T] then STEPS greedy decode steps through the engine's paged
+    path (page pools placed by `page_pool_sharding`); params already placed. Returns
+    (prefill logits [B, T, V], decode logits [STEPS, B, V], tokens [STEPS + 1, B], number of
+    devices the logits live on)."""
+    import jax.numpy as jnp
+    import numpy as np
 
     cfg = graph.cfg
-
-    def put(x, spec):
-        return jax.device_put(x, NamedSharding(mesh, spec)) if mesh is not None else x
-
-    prefill = jax.jit(functools.partial(forward_layers, graph))
-    decode = jax.jit(functools.partial(decode_layers, graph), donate_argnums=(3,))
-    tokens = put(jnp.asarray(prompts, jnp.int32), PartitionSpec("data", None))
-    positions = put(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-                    PartitionSpec("data", None))
-    logits, kv = prefill(params, tokens, positions)
+    forward = _paged_forward(graph, mesh)
+    pages = _empty_pages(cfg, mesh, jnp.float32)
+    logits, pages = _prefill(forward, params, pages, prompts)
     devices = len(logits.sharding.device_set)
     pre_logits = np.asarray(logits)
-    k, v = np.asarray(kv.k), np.asarray(kv.v)  # [L, B, K, T, D]
-    K, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-    kt = np.zeros((L, B, K, D, S), k.dtype)
-    kt[..., :T] = k.swapaxes(-1, -2)
-    vv = np.zeros((L, B, K, S, D), v.dtype)
-    vv[:, :, :, :T] = v
-    cache = LayerCache(tuple(jnp.asarray(x) for x in kt), tuple(jnp.asarray(x) for x in vv))
-    if mesh is not None:
-        cache = jax.device_put(cache, sharding.layer_cache_shardings(cfg, B, S, mesh))
     tok = pre_logits[:, -1].argmax(-1).astype(np.int32)
     out_tokens, out_logits = [tok], []
+    rows = jnp.arange(B, dtype=jnp.int32)
     for step in range(STEPS):
-        pos = np.full((B,), T + step, np.int32)
-        logits, cache = decode(params, put(jnp.asarray(tok), PartitionSpec("data")),
-                               put(jnp.asarray(pos), PartitionSpec("data")), cache)
+        pos = jnp.full((B,), T + step, jnp.int32)
+        logits, pages = forward(params, pages, jnp.asarray(tok), pos, rows, B)
         devices = min(devices, len(logits.sharding.device_set))
         logits = np.asarray(logits)
         out_logits.append(logits)
@@ -130,22 +164,20 @@ def _noise_floor(graph, params, prompts, batch_logits) -> dict[str, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from metrale_jax.models.unrolled import forward_layers
-
+    forward = _paged_forward(graph, None)
     others = []
-    prefill = jax.jit(functools.partial(forward_layers, graph))
     for rows in (4, 2, 1):
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (rows, T))
         others.append(np.concatenate([
-            np.asarray(prefill(params, jnp.asarray(prompts[i:i + rows], jnp.int32), pos)[0])
+            np.asarray(_prefill(forward, params, _empty_pages(graph.cfg, None, jnp.float32),
+                                prompts[i:i + rows])[0])
             for i in range(0, len(prompts), rows)]))
     with jax.enable_x64(True):
         wide = jax.tree.map(
             lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x,
             params)
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (len(prompts), T))
-        others.append(np.asarray(jax.jit(functools.partial(forward_layers, graph))(
-            wide, jnp.asarray(prompts, jnp.int32), pos)[0], np.float32))
+        forward = _paged_forward(graph, None)
+        pages = _empty_pages(graph.cfg, None, jnp.float64)
+        others.append(np.asarray(_prefill(forward, wide, pages, prompts)[0], np.float32))
     return {"rel": max(_rel(o, batch_logits) for o in others),
             "fro": max(_fro(o, batch_logits) for o in others)}
 
