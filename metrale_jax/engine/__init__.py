@@ -1,4 +1,5 @@
-"""Device side: every jit-compiled program lives here (see engine/engine.py).
+"""Device side: every jit-compiled program lives here (see engine/engine.py: `Engine` and the
+parts it owns: programs, pieces, lora_slots, source_encoder, image_encoder, beam_forks).
 
 May import models, config and errors; never scheduler, text or weights (a checkpoint's
 placement reaches the loader as a callable).

@@ -41,7 +41,7 @@ from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.image_encoder import ImageEncoder, check_images
 from metrale_jax.engine.lora_slots import LoraSlots
 from metrale_jax.engine.pages import PageTable
-from metrale_jax.engine.pieces import Piece, PiecePacker, plan_pieces, take_pages
+from metrale_jax.engine.pieces import Piece, PiecePacker, check_prompt, plan_pieces, take_pages
 from metrale_jax.engine.placement import Placement, StepShardings, place
 from metrale_jax.engine.prefix_cache import PrefixCache
 from metrale_jax.engine.programs import (
@@ -54,7 +54,7 @@ from metrale_jax.engine.sharding import abstract_params, shard_params
 from metrale_jax.engine.source_encoder import SourceEncoder, check_source
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput
 from metrale_jax.engine.step_cost import StepCost
-from metrale_jax.errors import ContextLengthError, InvalidParameterError
+from metrale_jax.errors import InvalidParameterError
 from metrale_jax.models.quant4 import is_block_scale
 from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.models.seq2seq_ragged import split_seq2seq
@@ -147,7 +147,7 @@ class Engine:
         self.sources = (SourceEncoder(cfg, self.graph, self.programs, sh, state_spec,
                                       self.step_programs.params_spec)
                         if self.encoder_decoder else None)
-        self.image_encoder = (ImageEncoder(cfg, model_config.vision, *vision, self.programs, sh,
+        self.image_encoder = (ImageEncoder(cfg, model_config, *vision, self.programs, sh,
                                            state_spec) if vision is not None else None)
         self.images = self.image_encoder.pool if self.image_encoder is not None else None
         self.packer = PiecePacker(cfg, self.vocab_size, self.pages, self.images, self.programs,
@@ -179,13 +179,7 @@ class Engine:
     # ---- checks --------------------------------------------------------------------------
     def check_prompt(self, n: int) -> None:
         """Raises if a prompt of `n` tokens cannot be prefilled into a slot."""
-        limit = self.config.max_len - 1
-        if n < 1:
-            raise InvalidParameterError("the prompt is empty", param="messages")
-        if n > limit:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens, but this engine holds at most {limit} prompt "
-                f"tokens (max_len {self.config.max_len} minus one for the first generated token)")
+        check_prompt(n, self.config.max_len)
 
     def check_source(self, n: int) -> None:
         """Raises if a source (encoder input) of `n` tokens cannot be held by a row."""
@@ -193,7 +187,7 @@ class Engine:
 
     def check_images(self, count: int) -> None:
         """Raises unless a request may send `count` images."""
-        check_images(count, self.model_config.vision, self.config.max_images)
+        check_images(count, self.model_config, self.config.max_images)
 
     def all_allowed(self, rows: int) -> np.ndarray:
         """A `[rows, ceil(V/32)]` uint32 grammar bitmask that allows every token."""

@@ -10,29 +10,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from metrale_jax.config import ModelConfig
 from metrale_jax.engine import steps
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.images import ImagePool
+from metrale_jax.engine.pieces import Piece
 from metrale_jax.engine.placement import StepShardings
 from metrale_jax.engine.programs import Job, ProgramCache, abstract, spec
 from metrale_jax.engine.state import DecodeState
 from metrale_jax.errors import InvalidParameterError
 
-if TYPE_CHECKING:
-    from metrale_jax.engine.pieces import Piece
-    from metrale_jax.vision_config import VisionConfig
 
-
-def check_images(count: int, vision: VisionConfig | None, max_images: int) -> None:
+def check_images(count: int, model_config: ModelConfig, max_images: int) -> None:
     """Raises unless a request may send `count` images (a vision-language model's pool holds
-    `max_images`; a text-only model, `vision` None, takes none)."""
-    if count and vision is None:
+    `max_images`; a text-only model, `model_config.vision` None, takes none)."""
+    if count and model_config.vision is None:
         raise InvalidParameterError("this model takes no images: it is a text-only "
                                     "model", param="messages")
     if count > max_images:
@@ -44,12 +42,15 @@ def check_images(count: int, vision: VisionConfig | None, max_images: int) -> No
 class ImageEncoder:
     """The vision encoder's programs and the image pool.
 
-    vision: the model's `VisionConfig`; graphdef, params: its encoder (`models/vision.py`),
-    cast to the engine's dtype and replicated here; state_spec: the abstract `DecodeState`.
-    Attributes: pool (`ImagePool`), params (on the devices)."""
+    model_config: a vision-language model's (its `vision` config); graphdef, params: its
+    vision encoder (`models/vision.py`), cast to the engine's dtype and replicated here;
+    state_spec: the abstract `DecodeState`. Attributes: pool (`ImagePool`), params (on the
+    devices)."""
 
-    def __init__(self, config: EngineConfig, vision: VisionConfig, graphdef: Any, params: Any,
-                 cache: ProgramCache, shardings: StepShardings, state_spec: DecodeState):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef: Any,
+                 params: Any, cache: ProgramCache, shardings: StepShardings,
+                 state_spec: DecodeState):
+        vision = model_config.vision
         self.config, self.vision, self.graphdef = config, vision, graphdef
         self.cache, self.shardings, self.state_spec = cache, shardings, state_spec
         self.pool = ImagePool(config.max_images, vision.tokens_per_image)

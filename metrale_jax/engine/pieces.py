@@ -68,6 +68,18 @@ class Piece:
                 for s in starts]
 
 
+def check_prompt(n: int, max_len: int) -> None:
+    """Raises if a prompt of `n` tokens cannot be prefilled into a row of `max_len` positions
+    (one is kept for the first generated token)."""
+    limit = max_len - 1
+    if n < 1:
+        raise InvalidParameterError("the prompt is empty", param="messages")
+    if n > limit:
+        raise ContextLengthError(
+            f"the prompt has {n} tokens, but this engine holds at most {limit} prompt "
+            f"tokens (max_len {max_len} minus one for the first generated token)")
+
+
 def plan_pieces(work: collections.deque, budget: int,
                 finish_limit: int) -> tuple[list[Piece], list[int]]:
     """Takes from the front of `work` ((item, Piece) pairs, in order) the pieces of one step:

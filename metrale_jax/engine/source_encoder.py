@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +21,11 @@ import numpy as np
 
 from metrale_jax.engine import steps
 from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.pieces import Piece
 from metrale_jax.engine.placement import StepShardings
 from metrale_jax.engine.programs import Job, ProgramCache, spec
 from metrale_jax.engine.state import DecodeState
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
-
-if TYPE_CHECKING:
-    from metrale_jax.engine.pieces import Piece
 
 
 def check_source(n: int, limit: int) -> None:
