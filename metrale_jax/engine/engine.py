@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -42,7 +41,7 @@ from metrale_jax.engine.image_encoder import ImageEncoder, check_images
 from metrale_jax.engine.lora_slots import LoraSlots
 from metrale_jax.engine.pages import PageTable
 from metrale_jax.engine.pieces import Piece, PiecePacker, check_prompt, plan_pieces, take_pages
-from metrale_jax.engine.placement import Placement, StepShardings, place
+from metrale_jax.engine.placement import Placement, StepShardings, place, place_params
 from metrale_jax.engine.prefix_cache import PrefixCache
 from metrale_jax.engine.programs import (
     ProgramCache,
@@ -50,15 +49,12 @@ from metrale_jax.engine.programs import (
     enable_compilation_cache,
     program_grid,
 )
-from metrale_jax.engine.sharding import abstract_params, shard_params
+from metrale_jax.engine.sharding import abstract_params
 from metrale_jax.engine.source_encoder import SourceEncoder, check_source
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput
 from metrale_jax.engine.step_cost import StepCost
 from metrale_jax.errors import InvalidParameterError
-from metrale_jax.models.quant4 import is_block_scale
-from metrale_jax.models.quantized_model import quantize_state
-from metrale_jax.models.seq2seq_ragged import split_seq2seq
-from metrale_jax.models.unrolled import LayerParams, split_layers
+from metrale_jax.models.unrolled import LayerParams
 
 Item = tuple[int, Sequence[int], SlotSettings]
 """One prompt for `Engine.add`: (slot, prompt token ids, settings)."""
@@ -72,7 +68,7 @@ class Engine:
         graphdef, params: the split NNX `Transformer` (stacked `[L, ...]` params, on one
             device or already sharded, e.g. by a sharded orbax restore); they are cast to
             `engine_config.dtype`, split per layer once and placed on the mesh
-            (`engine.params` is that `LayerParams`, its states as plain dicts of arrays).
+            (`placement.place_params`: `engine.params` is that `LayerParams`).
         engine_config: slots, lengths, buckets, dtypes, mesh, memory (max_slots / max_len None
             = chosen by the memory plan).
         placement: a `Placement` already computed for this model and config (e.g. before
@@ -93,10 +89,6 @@ class Engine:
         self.placement, self.memory_plan = placement, placement.plan
         enable_compilation_cache(cfg.compilation_cache_dir)
         self.mesh = placement.make_mesh()
-        if cfg.quantization and model_config.quantization is None:  # a float model given
-            model_config, graphdef, params = quantize_state(model_config, params,
-                                                            cfg.quantization)
-        self.model_config, self.vocab_size = model_config, model_config.vocab_size
         self.encoder_decoder = model_config.is_encoder_decoder
         if self.encoder_decoder and cfg.max_loras:
             raise InvalidParameterError("LoRA adapters are for decoder-only models; this is "
@@ -108,24 +100,9 @@ class Engine:
         if (model_config.vision is None) != (vision is None):
             raise InvalidParameterError("a vision-language model needs its vision encoder "
                                         "(and only such a model has one)", param="vision")
-        # Quantized weights keep their dtype, and so do int4 block scales (float16,
-        # models/quant4.py); other floats take the compute dtype.
-        dtype = jnp.dtype(cfg.dtype)
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, x: jnp.asarray(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-            and not is_block_scale(path, x) else jnp.asarray(x), params)
-        # Per-layer params (models.unrolled): the stacked copy is dropped once split. An
-        # encoder-decoder splits its decoder the same way (models/seq2seq_ragged.py). Plain
-        # dicts of arrays, not nnx States: every step's call flattens the params, which JAX
-        # does in C++ for dicts but through Python for States (0.46 ms a step on the default
-        # model, about 5% of an int8 decode step).
-        self.graph, layers = (split_seq2seq if self.encoder_decoder else split_layers)(
-            graphdef, params)
-        del params
-        self.params = shard_params(LayerParams(
-            nnx.to_pure_dict(layers.outer),
-            tuple(nnx.to_pure_dict(layer) for layer in layers.layers)), self.mesh)
-        del layers
+        model_config, self.graph, self.params = place_params(model_config, graphdef, params,
+                                                             cfg, self.mesh)
+        self.model_config, self.vocab_size = model_config, model_config.vocab_size
         B = cfg.max_slots
         self.num_pages = cfg.resolved_num_pages
         # An encoder-decoder's decoder keys and values depend on its source: no prefix cache.
