@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 
-.PHONY: serve test lint pull bench clean browser
+.PHONY: serve test lint docs pull bench clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,21 @@ browser:
 	  apt-get install -y -qq chromium libjemalloc2 >/dev/null) || \
 	  echo "make: could not install chromium and jemalloc: the web page tests will skip"
 
+# The reference in docs/ (MkDocs, Material theme; mkdocs.yml lists every page). The strict build
+# fails on a broken link or anchor between pages and on a page missing from the nav; the README
+# is outside docs/, so its links into docs/ are checked here (they are what GitHub follows).
+# Never --quiet: it hides the warnings that strict mode counts, and the build passes. `make test`
+# sets NO_MKDOCS_2_WARNING to drop Material's end-of-life banner (see docs/dependencies.md).
+SITE ?= site
+define check_readme_links
+grep -o '](docs/[^)#]*' README.md | cut -c3- | sort -u | while read -r page; do \
+  test -f "$$page" || { echo "README.md: broken link to $$page"; exit 1; }; done
+endef
+
+docs: $(VENV)/.installed-test
+	$(BIN)/mkdocs build --strict --site-dir $(SITE)
+	@$(check_readme_links)
+
 # The environment and the Debian packages install side by side (two jobs of a sub-make).
 # pytest runs on jemalloc where it is installed (LD_PRELOAD, inherited by every subprocess):
 # XLA's compiler allocates and frees millions of small objects, and compiling is most of the
@@ -57,6 +72,8 @@ test:
 	$(MAKE) --no-print-directory -j2 $(VENV)/.installed-test browser
 	$(BIN)/metrale pull
 	$(BIN)/ruff check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(SITE)
+	@$(check_readme_links)
 	LD_PRELOAD="$$(ls $(JEMALLOC_GLOB) 2>/dev/null | head -n 1)" \
 	  $(BIN)/python -m pytest -n 3 --dist loadgroup -q --durations=10
 
@@ -67,4 +84,4 @@ bench: $(VENV)/.installed-test pull
 	$(BIN)/python bench/engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache $(SITE)

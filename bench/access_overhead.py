@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=512)
     args = ap.parse_args()
+    # heavy imports after parsing: --help starts at once
     from serving.http.server import ServerThread
     from serving.http.settings import ServerSettings
     settings = ServerSettings(model="default", port=0, max_slots=args.max_slots,

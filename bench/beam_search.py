@@ -16,12 +16,12 @@ tie; `tests/scheduler/test_beam_search.py` checks equality unbatched).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.tables import print_beams_table
 
 PROMPTS = [
     "The capital of France is", "Photosynthesis is the process by which",
@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="timed runs per case (median)")
     args = p.parse_args()
 
+    # heavy imports after parsing: --help starts at once
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,27 +70,9 @@ def main() -> None:
             rows.append(row[:cut])
         return rows
 
-    def timed(fn, beams: int) -> tuple[float, list[list[int]]]:
-        fn(beams)  # compile / warm
-        times, result = [], []
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            result = fn(beams)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), result
-
     print(f"\n8 prompts, at most {args.max_tokens} new tokens, default model float32, "
           f"median of {args.rounds}\n")
-    print("| decoding | metrale sent/s | metrale tok/s | transformers sent/s | "
-          "transformers tok/s | metrale / transformers | same ids |")
-    print("|---|---|---|---|---|---|---|")
-    for beams in (1, 4):
-        t_ours, a = timed(ours, beams)
-        t_hf, b = timed(theirs, beams)
-        n_a, n_b = sum(map(len, a)), sum(map(len, b))
-        same = sum(x == y for x, y in zip(a, b, strict=True))
-        print(f"| num_beams {beams} | {8 / t_ours:.2f} | {n_a / t_ours:.1f} | {8 / t_hf:.2f} | "
-              f"{n_b / t_hf:.1f} | {t_hf / t_ours:.2f}x | {same}/8 |")
+    print_beams_table(ours, theirs, args.rounds, count=8)
     llm.close()
 
 

@@ -77,6 +77,8 @@ def unrolled_decode_attention(q, pages, page_table, kv_lens, *, sm_scale: float,
 
 def micro(args) -> None:
     """Prints the micro-benchmark's table: µs per call of each variant."""
+    # imported per case, after main puts this checkout on sys.path (the engine case's child
+    # is a fresh process)
     import jax
     import jax.numpy as jnp
     import numpy as np

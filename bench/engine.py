@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_common import DEFAULT_SHAPE, decode_rate, engine_config, random_model
 from metrale_jax.engine import Engine, SlotSettings
+from metrale_jax.weights.checkpoint import load_checkpoint
+from metrale_jax.weights.default_model import default_model_path
 
 
 def timed(fn, repeat: int) -> float:
@@ -66,9 +68,7 @@ STORY = ("Write a long story about a lighthouse keeper who finds a message in a 
 def sampling_engine(args, cache_dir: str) -> tuple[Engine, list[list[int]], str]:
     """The engine for the sampling table: the default model's real weights when pulled (which
     sampler path runs depends on how peaked the logits are), else random weights."""
-    from metrale_jax.weights.default_model import default_model_path
     if default_model_path().is_file():
-        from metrale_jax.weights.checkpoint import load_checkpoint
         ckpt = load_checkpoint("default")
         engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                         engine_config(args, args.slots, cache_dir))
@@ -188,7 +188,7 @@ def main() -> None:
     p.add_argument("--mesh-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mesh_child is not None:
-        from bench.engine_mesh import child
+        from bench.engine_mesh import child  # the mesh table's code, only when asked
         print(json.dumps(child(args, args.mesh_child)))
         return
     if args.mesh is not None:

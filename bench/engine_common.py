@@ -33,12 +33,9 @@ def engine_config(args, slots: int, cache_dir: str | None) -> EngineConfig:
                         decode_steps=args.decode_steps, compilation_cache_dir=cache_dir)
 
 
-def decode_rate(engine: Engine, active: int, steps: int) -> float:
-    """Aggregate decode tokens/s with `active` slots busy."""
-    state = engine.init_decode_state()
-    items = [(s, [1] * 16, SlotSettings()) for s in range(active)]
-    state, _ = engine.add(state, items)
-    mask = np.arange(engine.config.max_slots) < active
+def timed_steps(engine: Engine, state, mask: np.ndarray, steps: int) -> tuple[object, float]:
+    """Two warm-up steps of the rows in `mask` [B] bool, then `steps` timed ones: (the
+    state after them, the seconds the timed steps took)."""
     for _ in range(2):
         state, out = engine.step(state, mask)
     jax.block_until_ready(out.tokens)
@@ -46,5 +43,13 @@ def decode_rate(engine: Engine, active: int, steps: int) -> float:
     for _ in range(steps):
         state, out = engine.step(state, mask)
     jax.block_until_ready(out.tokens)
-    dt = time.perf_counter() - t0
+    return state, time.perf_counter() - t0
+
+
+def decode_rate(engine: Engine, active: int, steps: int) -> float:
+    """Aggregate decode tokens/s with `active` slots busy."""
+    state = engine.init_decode_state()
+    items = [(s, [1] * 16, SlotSettings()) for s in range(active)]
+    state, _ = engine.add(state, items)
+    _, dt = timed_steps(engine, state, np.arange(engine.config.max_slots) < active, steps)
     return active * steps * engine.config.decode_steps / dt

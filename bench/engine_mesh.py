@@ -26,6 +26,7 @@ DEFAULT_MESHES = ("data=1,model=1", "data=1,model=2", "data=2,model=1")
 def child(args, mesh: str) -> dict:
     """In the child: one engine on `mesh`; decode tokens/s with every slot busy, prefill
     tokens/s of one full bucket, time to first token."""
+    # in the child, after its XLA_FLAGS set the fake device count
     import jax
     import numpy as np
 
@@ -62,7 +63,7 @@ def child(args, mesh: str) -> dict:
 
 def table(args) -> None:
     """Runs every mesh of `args.mesh` in a child and prints the overhead table."""
-    from metrale_jax.engine.sharding import parse_mesh
+    from metrale_jax.engine.sharding import parse_mesh  # the parent imports no JAX
     rows = []
     for mesh in args.mesh:
         data, model = parse_mesh(mesh)

@@ -21,18 +21,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metrale_jax.models.transformer import forward
+from transformers import AutoModelForCausalLM
+
+from devtools.hf_models import ARCH_CONFIGS, build_hf_model
+from devtools.logits import stacked_logits
 from metrale_jax.weights.assemble import assemble_params
+from metrale_jax.weights.checkpoint import load_checkpoint
+from metrale_jax.weights.default_model import default_model_path
 from metrale_jax.weights.hf_config import read_hf_config
-from tests.hf_models import ARCH_CONFIGS, build_hf_model
 
 
 def rel_error(graphdef, params, hf, ids: np.ndarray) -> float:
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits.float().numpy()
-    ours, _ = forward(graphdef, params, jnp.asarray(ids),
-                      jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
-    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
+    ours = stacked_logits(graphdef, params, ids)  # the engine's prefill, one chunk per row
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def main() -> None:
@@ -54,10 +57,7 @@ def main() -> None:
                 errs.append(rel_error(g, p, hf, ids))
             rows.append((arch, *errs))
     if args.default:
-        from transformers import AutoModelForCausalLM
 
-        from metrale_jax.weights.checkpoint import load_checkpoint
-        from metrale_jax.weights.default_model import default_model_path
         path = default_model_path()
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                   torch_dtype=torch.float32).eval()

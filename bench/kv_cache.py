@@ -35,6 +35,7 @@ from metrale_jax.config import QUANTIZATIONS  # noqa: E402
 from metrale_jax.engine import Engine, EngineConfig, SlotSettings  # noqa: E402
 from metrale_jax.engine.memory_plan import token_bytes_per_device  # noqa: E402
 from metrale_jax.models.ragged import sequence_logits  # noqa: E402
+from metrale_jax.text import ChatTemplate  # noqa: E402
 from metrale_jax.weights.checkpoint import load_checkpoint  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper who "
@@ -91,7 +92,6 @@ def main() -> None:
     args = ap.parse_args()
     ckpt = load_checkpoint("default", quantization=args.quantization)
     tok = ckpt.tokenizer
-    from metrale_jax.text import ChatTemplate
     chat = tok.encode(ChatTemplate(ckpt.chat_template).render(PROMPT, add_generation_prompt=True),
                       add_special_tokens=False)
     readme = tok.encode((ROOT / "README.md").read_text(), add_special_tokens=False)

@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax
 import numpy as np
 
-from bench.engine_common import DEFAULT_SHAPE, random_model
+from bench.engine_common import DEFAULT_SHAPE, random_model, timed_steps
 from metrale_jax.engine import Engine, EngineConfig, SlotSettings
 from metrale_jax.models.lora import MODULES, module_shape
 from metrale_jax.weights.lora import LoraAdapter
@@ -52,15 +50,9 @@ def rate(engine: Engine, streams: int, steps: int, rows: np.ndarray | None) -> f
         for b, slot in enumerate(rows):
             if slot >= 0:
                 engine.lora_slots.mix[b, slot] = 1.0
-    mask = np.arange(engine.config.max_slots) < streams
-    for _ in range(2):
-        state, out = engine.step(state, mask)
-    jax.block_until_ready(out.tokens)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, out = engine.step(state, mask)
-    jax.block_until_ready(out.tokens)
-    return streams * steps / (time.perf_counter() - t0)
+    _, seconds = timed_steps(engine, state, np.arange(engine.config.max_slots) < streams,
+                             steps)
+    return streams * steps / seconds
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 def _child(args) -> None:
     """Runs one measurement with the checkout at args.root; prints one JSON line."""
-    sys.path.insert(0, args.root)
+    sys.path.insert(0, args.root)  # the checkout under test: imported only after this
     import jax
     import numpy as np
     from flax import nnx
@@ -44,7 +44,7 @@ def _child(args) -> None:
                         rope_theta=100000.0, tie_word_embeddings=True,
                         max_position_embeddings=8192)
     if args.case == "capacity":
-        from metrale_jax.engine.placement import place
+        from metrale_jax.engine.placement import place  # from args.root, as above
         p = place(shape, EngineConfig(max_slots=None, max_len=4096, memory_gb=args.memory_gb,
                                       compilation_cache_dir=None), n_devices=1)
         pages = getattr(p.config, "num_pages", None)

@@ -30,7 +30,7 @@ LENGTHS = (512, 2048, 8000)
 
 
 def _child(root: str) -> None:
-    sys.path.insert(0, root)
+    sys.path.insert(0, root)  # the checkout under test: imported only after this
     import numpy as np
 
     from metrale_jax import LLM, SamplingParams

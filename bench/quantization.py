@@ -29,21 +29,26 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from devtools.logits import rows_logits  # noqa: E402
 from metrale_jax.config import QUANTIZATIONS  # noqa: E402
 from metrale_jax.engine import Engine, EngineConfig, SlotSettings  # noqa: E402
-from metrale_jax.models.transformer import forward  # noqa: E402
+from metrale_jax.models.unrolled import split_layers  # noqa: E402
+from metrale_jax.text import ChatTemplate  # noqa: E402
 from metrale_jax.weights.checkpoint import load_checkpoint  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper who "
                                       "finds a message in a bottle."}]
 
 
+_LAYERS: dict[int, tuple] = {}  # id(checkpoint) -> its params split per layer
+
+
 def logits_of(ckpt, ids: list[int]) -> np.ndarray:
-    """Logits `[T, V]` of the whole sequence `ids` (one forward, no cache)."""
-    x = jnp.asarray([ids], jnp.int32)
-    run = jax.jit(forward, static_argnums=0)
-    return np.asarray(run(ckpt.graphdef, ckpt.params, x,
-                          jnp.arange(len(ids), dtype=jnp.int32)[None])[0][0])
+    """Logits `[T, V]` of the whole sequence `ids`, prefilled in one chunk as the engine
+    prefills a prompt."""
+    if id(ckpt) not in _LAYERS:
+        _LAYERS[id(ckpt)] = split_layers(ckpt.graphdef, ckpt.params)
+    return rows_logits(*_LAYERS[id(ckpt)], [ids])[0]
 
 
 def perplexity(ckpt, ids: list[int], window: int) -> float:
@@ -117,7 +122,6 @@ def main() -> None:
         ckpt = load_checkpoint("default", quantization=mode)
         tok = ckpt.tokenizer
         if base is None:
-            from metrale_jax.text import ChatTemplate
             template = ChatTemplate(ckpt.chat_template)
             prompt = tok.encode(template.render(PROMPT, add_generation_prompt=True),
                                 add_special_tokens=False)

@@ -72,6 +72,7 @@ def split_cpu(before: dict[str, float], after: dict[str, float]) -> tuple[float,
 
 def in_process(llm, cfg: BenchConfig, level: int, requests: int) -> dict:
     """The level's requests submitted straight to the scheduler by `level` threads."""
+    # JAX loads only for the in-process case (the HTTP cases run the server in a child)
     from metrale_jax.scheduler import GenerationRequest, SamplingParams
     from metrale_jax.scheduler.events import Finished, Token
     todo = plan(cfg, requests, level)
@@ -127,6 +128,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--start-timeout", type=float, default=1800.0)
     args = ap.parse_args()
+    # heavy imports after parsing: --help starts at once
     from metrale_jax import LLM
     llm = LLM("default", max_slots=args.max_slots, max_len=args.max_len, warmup=True)
     llm.scheduler  # noqa: B018 - builds and warms the batching loop now

@@ -49,6 +49,7 @@ WORKLOADS = {
 
 def run_one(llm, prompt_ids: list[int], k: int, max_tokens: int) -> dict:
     """One greedy request: decode tok/s (first to last token), tokens, text and counters."""
+    # beside main's LLM import: nothing of JAX before --help
     from metrale_jax.scheduler import Failed, GenerationRequest, SamplingParams, Token
     sched = llm.scheduler
     before = dict(sched.stats)
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="e.g. int8 (if the engine has it)")
     args = ap.parse_args()
 
+    # heavy imports after parsing: --help starts at once
     from metrale_jax import LLM
     extra = {"quantization": args.quantization} if args.quantization else {}
     llm = LLM("default", max_slots=1, max_len=args.max_len, speculative_tokens=args.tokens,

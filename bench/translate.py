@@ -18,13 +18,13 @@ translations have transformers' ids.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.tables import print_beams_table
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -50,11 +50,12 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a quarter-width 6 + 6 layer model")
     args = p.parse_args()
 
+    # heavy imports after parsing: --help starts at once
     import torch
     import transformers
 
+    from devtools.nllb_models import nllb_config, randomize, write_nllb_tokenizer
     from metrale_jax import LLM, SamplingParams
-    from tests.nllb_models import nllb_config, randomize, write_nllb_tokenizer
 
     shape = SMALL if args.small else NLLB_600M
     folder = Path(tempfile.mkdtemp(prefix="nllb-bench-"))
@@ -87,29 +88,11 @@ def main() -> None:
             rows.append(row[:cut])
         return rows
 
-    def timed(fn, beams: int) -> tuple[float, list[list[int]]]:
-        fn(beams)  # compile / warm
-        times, result = [], []
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            result = fn(beams)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), result
-
     size = sum(p.numel() for p in hf.parameters()) / 1e6
     print(f"\n8 sentences, at most {args.max_tokens} new tokens, random M2M100 of {size:.0f}M "
           f"params ({'small' if args.small else 'NLLB-200-distilled-600M'} shape), float32, "
           f"median of {args.rounds}\n")
-    print("| decoding | metrale sent/s | metrale tok/s | transformers sent/s | "
-          "transformers tok/s | metrale / transformers | same ids |")
-    print("|---|---|---|---|---|---|---|")
-    for beams in (1, 4):
-        t_ours, a = timed(ours, beams)
-        t_hf, b = timed(theirs, beams)
-        n_a, n_b = sum(map(len, a)), sum(map(len, b))
-        same = sum(x == y for x, y in zip(a, b, strict=True))
-        print(f"| num_beams {beams} | {8 / t_ours:.2f} | {n_a / t_ours:.1f} | {8 / t_hf:.2f} | "
-              f"{n_b / t_hf:.1f} | {t_hf / t_ours:.2f}x | {same}/8 |")
+    print_beams_table(ours, theirs, args.rounds, count=8)
     llm.close()
 
 

@@ -57,15 +57,16 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a 6-layer, width-256 tower")
     args = p.parse_args()
 
+    # heavy imports after parsing: --help starts at once
     import jax
     import numpy as np
     import torch
     import transformers
     from PIL import Image
 
+    from devtools.hf_models import save_tiny_tokenizer
+    from devtools.llava_models import CHAT_TEMPLATE, IMAGE_TOKEN, TOWERS
     from metrale_jax import LLM, SamplingParams
-    from tests.hf_models import save_tiny_tokenizer
-    from tests.llava_models import CHAT_TEMPLATE, IMAGE_TOKEN, TOWERS
 
     tower = SMALL_TOWER if args.small else LLAVA_15_TOWER
     size = tower["image_size"]

@@ -1,9 +1,10 @@
 """Configuration dataclasses: `ModelConfig` (the architecture) and `EngineConfig` (the shapes).
 
 Both are frozen: a config is a value, hashable, and safe to close over in jit-compiled code.
-`ModelConfig` covers every decoder-only family Metrale-JAX implements (Llama 2/3.x, SmolLM2,
-Mistral, Qwen2, Qwen3, Gemma, Gemma 2); the per-family switches are plain fields so that one set
-of blocks in `metrale_jax.models` serves them all.
+`ModelConfig` covers every family Metrale-JAX implements; the per-family switches are plain
+fields so that one set of blocks in `metrale_jax.models` serves them all. Which family sets
+which switch, and how each is read from a checkpoint, is declared in `metrale_jax.families`
+(whose registry also says which architectures exist).
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ import math
 from typing import Literal
 
 from metrale_jax.errors import CheckpointError, InvalidParameterError
-from metrale_jax.m2m100_config import M2M100Config
-from metrale_jax.vision_config import VisionConfig
+from metrale_jax.families.llava import VisionConfig
+from metrale_jax.families.m2m100 import M2M100Config, decoder_fields
+from metrale_jax.families.registry import ARCHITECTURES
 
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "m2m_100"]
-ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-                                  "m2m_100")
 QUANTIZATIONS: tuple[str, ...] = ("int8", "int8-all", "int4")
 """Weight quantization modes (`ModelConfig.quantization`; see `models/quant.py`)."""
 
@@ -57,7 +56,9 @@ class ModelConfig:
     Dimension letters (see DESIGN.md): `V` vocab_size, `E` hidden_size, `F` intermediate_size,
     `L` num_layers, `H` num_heads, `K` num_kv_heads, `D` head_dim.
 
-    Family switches:
+    architecture: the family's name (`metrale_jax.families.ARCHITECTURES`).
+
+    Family switches (which family sets which: `metrale_jax.families`):
         attention_bias: q/k/v projections carry a bias (Qwen2).
         qk_norm: RMSNorm over `D` on queries and keys before RoPE (Qwen3).
         norm_weight_offset: RMSNorm scales by `1 + weight` (Gemma, Gemma 2).
@@ -68,7 +69,7 @@ class ModelConfig:
             Mistral uses it on every layer); `sliding_layers[i]` says whether layer i is local.
         query_pre_attn_scalar: attention scale is its -1/2 power instead of D^-1/2 (Gemma 2).
         encoder_decoder: for an encoder-decoder translation model ("m2m_100": M2M100 /
-            NLLB-200), its full `models.m2m100.M2M100Config`; the other fields then describe
+            NLLB-200), its full `families.m2m100.M2M100Config`; the other fields then describe
             its decoder (the part the engine's paged steps run: L decoder layers of H heads,
             K = H, the decoder FFN as `intermediate_size`). None for decoder-only models.
         vision: for a vision-language model (LLaVA), its vision encoder's
@@ -82,7 +83,7 @@ class ModelConfig:
             see `models/quant4.py`). Decoder-only models.
     """
 
-    architecture: Architecture
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -141,16 +142,8 @@ class ModelConfig:
     def for_m2m100(cls, m2m: M2M100Config) -> ModelConfig:
         """The engine's config of an M2M100 / NLLB model: architecture "m2m_100", the fields
         describing the decoder (L decoder layers, H heads, K = H, D, the decoder FFN), and
-        `m2m` as `encoder_decoder`."""
-        H = m2m.decoder_attention_heads
-        return cls(
-            architecture="m2m_100", vocab_size=m2m.vocab_size, hidden_size=m2m.d_model,
-            intermediate_size=m2m.decoder_ffn_dim, num_layers=m2m.decoder_layers,
-            num_heads=H, num_kv_heads=H, head_dim=m2m.decoder_head_dim,
-            rms_norm_eps=m2m.layer_norm_eps,
-            max_position_embeddings=m2m.max_position_embeddings,
-            tie_word_embeddings=m2m.tie_word_embeddings, bos_token_id=m2m.bos_token_id,
-            eos_token_ids=(m2m.eos_token_id,), encoder_decoder=m2m)
+        `m2m` as `encoder_decoder` (`families.m2m100.decoder_fields`)."""
+        return cls(**decoder_fields(m2m))
 
     @property
     def is_encoder_decoder(self) -> bool:

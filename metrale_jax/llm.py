@@ -23,14 +23,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.completion import Completion, collect
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import ChatTemplateError, InvalidParameterError
-from metrale_jax.models.transformer import forward
+from metrale_jax.models.ragged import sequence_logits
+from metrale_jax.models.unrolled import LayerGraph, LayerParams, split_layers
 from metrale_jax.weights.checkpoint import Checkpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class LLM:
                                   (image_limits.allowed_domains if image_limits else ())))
         self._image_processor = None
         if self.checkpoint.config.is_encoder_decoder:
-            from metrale_jax.translation import check_default_languages
+            from metrale_jax.text.translation import check_default_languages
             check_default_languages(self.checkpoint.tokenizer, source_lang, target_lang)
         self.loras = {}
         if loras:
@@ -183,7 +182,7 @@ class LLM:
         hypotheses of a beam search).
         """
         from metrale_jax.scheduler import SamplingParams
-        from metrale_jax.translation import translation_inputs
+        from metrale_jax.text.translation import translation_inputs
         if not self.config.is_encoder_decoder:
             raise InvalidParameterError(f"model {self.checkpoint.name!r} is not a translation "
                                         "model", param="model")
@@ -299,32 +298,29 @@ class LLM:
         return self.checkpoint.tokenizer
 
     @functools.cached_property
-    def _forward(self):
-        graphdef = self.checkpoint.graphdef
-
-        @jax.jit
-        def run(params, tokens, positions):
-            logits, _ = forward(graphdef, params, tokens, positions)
-            return logits[0]
-
-        return run
+    def _layers(self) -> tuple[LayerGraph, LayerParams]:
+        """The checkpoint's params split per layer, as the engine runs them."""
+        return split_layers(self.checkpoint.graphdef, self.checkpoint.params)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """The model's logits for every position of `token_ids`: `[T, V] float32`."""
+        """The model's logits for every position of `token_ids`: `[T, V] float32`, computed as
+        the engine computes a prompt (the ragged step's layers over a paged cache, in one chunk
+        of the smallest power of two ≥ max(T, 16): one compile per bucket, not per length)."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise InvalidParameterError("token_ids must not be empty", param="token_ids")
+        if self.config.is_encoder_decoder:
+            raise InvalidParameterError(f"model {self.checkpoint.name!r} is a translation "
+                                        "model: logits are for decoder-only models",
+                                        param="token_ids")
         V = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= V:
             raise InvalidParameterError(f"token ids must be in [0, {V})", param="token_ids")
-        T = len(ids)
-        P = _bucket(T)
-        tokens = np.zeros((1, P), np.int32)
-        tokens[0, :T] = ids
-        positions = jnp.arange(P, dtype=jnp.int32)[None]
+        graph, params = self._layers
         # Padding sits after the prompt, so causal attention keeps it out of positions < T.
-        out = self._forward(self.checkpoint.params, jnp.asarray(tokens), positions)
-        return np.asarray(out[:T])
+        out = sequence_logits(graph, params, ids, chunk=_bucket(len(ids)),
+                              cache_dtype=params.outer["embed"][...].dtype)
+        return np.asarray(out)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True,

@@ -6,3 +6,6 @@ callbacks both use. May import metrale_jax; nothing in metrale_jax imports servi
     from serving.http.settings import ServerSettings
     serve(ServerSettings(model="default", port=8000))      # blocks; SIGTERM drains
 """
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax",)

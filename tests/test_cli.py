@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.hf_models import build_tiny_checkpoint
+from devtools.hf_models import build_tiny_checkpoint
 from tests.serving.conftest import run_main
 
 
@@ -114,7 +114,7 @@ def test_pull_reports_an_unreachable_registry(tmp_path):
 @pytest.fixture(scope="module")
 def nllb(tmp_path_factory):
     """(a tiny NLLB folder, its transformers model)."""
-    from tests.nllb_models import build_nllb_folder
+    from devtools.nllb_models import build_nllb_folder
     folder = tmp_path_factory.mktemp("cli-nllb")
     return folder, build_nllb_folder(folder)
 

@@ -12,24 +12,10 @@ images or none, so rows never wait on each other's slots.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from metrale_jax.errors import InvalidParameterError
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PromptImage:
-    """One image of a prompt: `offset`, the prompt position of its first placeholder token,
-    and `length`, how many there are (the model's `T_img`); `pixels [C, H, W] float32`, the
-    image processor's output; `digest`, a hex hash of the image's content (it keys the
-    prefix cache's pages)."""
-
-    offset: int
-    length: int
-    pixels: np.ndarray
-    digest: str
+from metrale_jax.vision.prompt import PromptImage
 
 
 class ImagePool:
@@ -118,4 +104,4 @@ def find_image_offsets(ids: list[int] | tuple[int, ...], image_token_id: int,
     return offsets
 
 
-__all__ = ["ImagePool", "PromptImage", "find_image_offsets", "remaining_images"]
+__all__ = ["ImagePool", "find_image_offsets", "remaining_images"]

@@ -21,12 +21,13 @@ import numpy as np
 from metrale_jax.engine import steps
 from metrale_jax.engine.bitmask import all_allowed
 from metrale_jax.engine.config import EngineConfig
-from metrale_jax.engine.images import ImagePool, PromptImage
+from metrale_jax.engine.images import ImagePool
 from metrale_jax.engine.pages import PageTable
 from metrale_jax.engine.placement import StepShardings
 from metrale_jax.engine.programs import Job, ProgramCache, spec
 from metrale_jax.engine.state import DecodeState, SlotSettings, settings_to_arrays
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
+from metrale_jax.vision.prompt import PromptImage
 
 
 class OutOfPagesError(RuntimeError):

@@ -8,22 +8,22 @@ mask); a row that does not advance writes to the null page and keeps its state.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import numpy as np
 
 from metrale_jax.engine.bitmask import pack
 from metrale_jax.engine.sampling import seed_to_key
-from metrale_jax.engine.sampling_state import (
+from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
+from metrale_jax.errors import InvalidParameterError
+from metrale_jax.models.seq2seq_ragged import CrossCache
+from metrale_jax.sampling_fields import (
+    DEVICE_ARRAYS,
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
-    SamplingState,
-    TokenHistory,
+    ROW_FIELDS,
 )
-from metrale_jax.errors import InvalidParameterError
-from metrale_jax.models.seq2seq_ragged import CrossCache
 
 # Logical axis names of the per-slot arrays, beside their shapes (see engine/sharding.py).
 SLOT_AXES: tuple[str, ...] = ("slots",)
@@ -88,92 +88,74 @@ class StepOutput:
         return jax.tree.map(np.asarray, self)
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotSettings:
-    """One request's sampling settings, as the host hands them to `Engine.add`.
+def _check_limits(self) -> None:
+    """The engine's static limits (the values themselves were checked by `SamplingParams`,
+    the one check of each field's bound)."""
+    def bad(field: str, why: str) -> InvalidParameterError:
+        return InvalidParameterError(f"{field}={getattr(self, field)!r} {why}", param=field)
 
-    The user-facing checks live in `SamplingParams`; these are the engine's: token ids are
-    already resolved (eos, stop ids, bad words, DRY breakers) and sizes are within the static
-    limits of `sampling_state`.
-    temperature: 0 = greedy; top_k: 0 = off; top_p in (0, 1]; min_p in [0, 1];
-    seed: any integer (64 bits kept); the same seed gives the same tokens.
-    typical_p (1 = off), xtc_threshold / xtc_probability (0 = off), top_n_sigma (<= 0 = off);
-    repetition_penalty (1 = off), presence/frequency_penalty (0 = off), dry_* (multiplier 0 =
-    off), lz_penalty (0 = off); logit_bias: (token id, bias) pairs; banned_ids: never
-    sampled; min_tokens with stop_ids: those ids are masked until min_tokens are generated;
-    bad_words: token sequences of 2+ tokens whose last token is banned after the rest;
-    dry_breaker_ids: tokens that cut DRY's matches; first_mask: the first token's grammar
-    bitmask ([ceil(V/32)] uint32; None = unconstrained); generated: tokens the request
-    generated before it was preempted (its prompt is then fed again with them: they count
-    as generated for the penalties, and its next token samples step `generated`).
-    """
+    if len(self.logit_bias) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
+    if len(self.bad_words) > MAX_BAD_WORDS:
+        raise bad("bad_words", f"may hold at most {MAX_BAD_WORDS} multi-token sequences")
+    if any(not 2 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
+        raise bad("bad_words", f"sequences must have 2 to {MAX_BAD_WORD_TOKENS} tokens")
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    typical_p: float = 1.0
-    xtc_threshold: float = 0.1
-    xtc_probability: float = 0.0
-    top_n_sigma: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
-    dry_breaker_ids: tuple[int, ...] = ()
-    lz_penalty: float = 0.0
-    min_tokens: int = 0
-    stop_ids: tuple[int, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    banned_ids: tuple[int, ...] = ()
-    bad_words: tuple[tuple[int, ...], ...] = ()
-    first_mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
-    generated: int = 0
 
-    def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> InvalidParameterError:
-            return InvalidParameterError(f"{field}={getattr(self, field)!r} {why}", param=field)
+SlotSettings = dataclasses.make_dataclass(
+    "SlotSettings",
+    [(r.name, r.type, dataclasses.field(default=r.default, compare=r.compare))
+     for r in ROW_FIELDS],
+    namespace={"__post_init__": _check_limits, "__doc__": (
+        "One request's sampling settings, as the host hands them to `Engine.add`.\n\n"
+        "The user-facing checks live in `SamplingParams`; here token ids are already "
+        "resolved (eos, stop ids, bad words, DRY breakers) and sizes are checked against "
+        "the static limits of `sampling_state`. `SlotSettings()` is an idle row: greedy, "
+        "every control off.\n\nFields (from `metrale_jax.sampling_fields.ROW_FIELDS`):\n"
+        + "\n".join(f"    {r.name} = {r.default!r}: {r.doc}" for r in ROW_FIELDS) + "\n")},
+    frozen=True)
+SlotSettings.__module__ = __name__
 
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a finite number >= 0")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise bad("top_k", "must be an integer >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if int(self.seed) != self.seed:
-            raise bad("seed", "must be an integer")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
-        if len(self.bad_words) > MAX_BAD_WORDS:
-            raise bad("bad_words", f"may hold at most {MAX_BAD_WORDS} multi-token sequences")
-        if any(not 2 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
-            raise bad("bad_words", f"sequences must have 2 to {MAX_BAD_WORD_TOKENS} tokens")
+
+def _write_seed(s: SamplingState, i: int, seed: int, vocab_size: int) -> None:
+    s.keys[i] = seed_to_key(int(seed))
+
+
+def _write_bias(s: SamplingState, i: int, pairs, vocab_size: int) -> None:
+    for j, (tok, value) in enumerate(pairs):
+        s.bias_ids[i, j], s.bias_values[i, j] = tok, value
+
+
+def _write_bad_words(s: SamplingState, i: int, words, vocab_size: int) -> None:
+    for j, word in enumerate(words):
+        s.bad_words[i, j, MAX_BAD_WORD_TOKENS - len(word):] = word
+        s.bad_word_lens[i, j] = len(word)
+
+
+def _bitmask(array: str):
+    def write(s: SamplingState, i: int, ids, vocab_size: int) -> None:
+        getattr(s, array)[i] = pack(ids, vocab_size)
+    return write
+
+
+ROW_WRITERS = {"seed": _write_seed, "logit_bias": _write_bias, "bad_words": _write_bad_words,
+               "banned_ids": _bitmask("banned"), "stop_ids": _bitmask("stop_ids"),
+               "dry_breaker_ids": _bitmask("dry_breakers")}
+"""How the row fields that are not one number per row fill their `SamplingState` arrays;
+every other array with a source is the source's value, clipped to int32 for int32 arrays."""
+_SCALARS = tuple(a for a in DEVICE_ARRAYS if not a.shape and a.source not in ROW_WRITERS)
+_INT32 = np.iinfo(np.int32)
 
 
 def settings_to_arrays(settings: list[SlotSettings], rows: int, vocab_size: int) -> SamplingState:
-    """NumPy `SamplingState` of `rows` rows: `settings` first, greedy padding after."""
+    """NumPy `SamplingState` of `rows` rows: `settings` first, idle (greedy) padding after."""
     s = SamplingState.host_defaults(rows, vocab_size)
-    scalars = ("temperature", "top_p", "min_p", "typical_p", "xtc_threshold", "xtc_probability",
-               "top_n_sigma", "repetition_penalty", "presence_penalty", "frequency_penalty",
-               "dry_multiplier", "dry_base", "dry_allowed_length", "lz_penalty", "min_tokens")
     for i, x in enumerate(settings):
-        for name in scalars:
-            getattr(s, name)[i] = getattr(x, name)
-        s.top_k[i] = min(int(x.top_k), np.iinfo(np.int32).max)
-        s.dry_last_n[i] = max(-1, min(int(x.dry_penalty_last_n), np.iinfo(np.int32).max))
-        s.keys[i] = seed_to_key(int(x.seed))
-        for j, (tok, value) in enumerate(x.logit_bias):
-            s.bias_ids[i, j], s.bias_values[i, j] = tok, value
-        s.banned[i] = pack(x.banned_ids, vocab_size)
-        s.stop_ids[i] = pack(x.stop_ids, vocab_size)
-        s.dry_breakers[i] = pack(x.dry_breaker_ids, vocab_size)
-        for j, word in enumerate(x.bad_words):
-            s.bad_words[i, j, MAX_BAD_WORD_TOKENS - len(word):] = word
-            s.bad_word_lens[i, j] = len(word)
+        for a in _SCALARS:
+            value = getattr(x, a.source)
+            if a.dtype == "int32":
+                value = max(_INT32.min, min(int(value), _INT32.max))
+            getattr(s, a.name)[i] = value
+        for name, write in ROW_WRITERS.items():
+            write(s, i, getattr(x, name), vocab_size)
     return s

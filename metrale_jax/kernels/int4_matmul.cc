@@ -18,7 +18,7 @@
 // the float product the error is the activations' rounding, at most sx / 2 * sum |w| a
 // block. A row's arithmetic is the same in every pass, so its result does not depend on the
 // call's other rows. Blocks of output rows are shared out over XLA's intra-op thread pool
-// (parallel.h). Measurements: README, "int4 weights".
+// (parallel.h). Measurements: docs/quantization.md, "int4 weights".
 
 #include <algorithm>
 #include <cstdint>

@@ -13,7 +13,7 @@
 // float conversion on x86). Blocks of output columns are
 // shared out over XLA's intra-op thread pool (ffi::ThreadPool) when the call has enough
 // work; the calling thread takes blocks too, so the call finishes even when the pool runs
-// nothing in parallel. Measurements: README, "int8 weights".
+// nothing in parallel. Measurements: docs/quantization.md, "int8 weights".
 
 #include <algorithm>
 #include <cstdint>

@@ -4,7 +4,7 @@
 (a tied embedding used as the LM head); the C++ is `int8_matmul.cc` beside this file, built on
 first use by `kernels/build.py` and registered with XLA for the "cpu" platform. Each weight
 byte is read once per call for small M (decode, verify), where XLA:CPU's
-`x @ q.astype(float32)` is several times slower than a float32 dot (README, "int8 weights").
+`x @ q.astype(float32)` is several times slower than a float32 dot (docs/quantization.md, "int8 weights").
 
 `available()` says whether the kernel can be used in this process: it builds, loads and
 registers it once (a failed build logs one warning and answers False, so callers keep the XLA

@@ -30,8 +30,22 @@ from metrale_jax.models.quant import (
 )
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02):
+def random_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype,
+                 std: float = 0.02) -> nnx.Param:
+    """A parameter of `shape` drawn from N(0, std²) in float32, stored in `dtype`."""
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
+
+
+def stacked_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int,
+                    rngs: nnx.Rngs) -> nnx.Module:
+    """`n` modules built by `make` as one module whose every parameter has a leading `L`
+    axis of size n (each layer drawn from its own split of `rngs`)."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def build(r: nnx.Rngs) -> nnx.Module:
+        return make(r)
+
+    return build(rngs)
 
 
 def init_linear(module: nnx.Module, name: str, rngs: nnx.Rngs, shape: tuple[int, ...],
@@ -41,7 +55,7 @@ def init_linear(module: nnx.Module, name: str, rngs: nnx.Rngs, shape: tuple[int,
     its float32 scale `module.<name>_scale` (shape: the output axes), see `models/quant.py`;
     "int4" packed 4-bit codes `[out..., in / 2]` with block scales `[out..., in / 32, 2]`
     (`models/quant4.py`)."""
-    w = _normal(rngs, shape, dtype)
+    w = random_param(rngs, shape, dtype)
     if quantization is None:
         setattr(module, name, w)
         return
@@ -208,13 +222,9 @@ MLP_AXES: AxesTable = scale_axes(
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention over a KV cache plus the tokens of this step.
-
-    Inputs: x `[B, T, E]`, positions `[B, T] int32` (token t of row b sits at
-    `positions[b, t]`; a row's tokens are contiguous), the layer's cache `k, v: [B, K, S, D]`
-    (or None) holding positions `0 .. positions[b, 0] - 1`, and `is_sliding` (a traced bool).
-    Returns the output `[B, T, E]` and this step's keys and values `[B, K, T, D]`, which the
-    caller writes into the cache: the cache is read-only here, so the layer scan never copies it.
+    """Grouped-query attention's params and projections: `qkv` (q, k and v with RoPE) and
+    `project_out` (o_proj). The attention over the paged cache between them is
+    `models/ragged.py`'s.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -232,9 +242,11 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
 
-    def _qkv(self, x, positions, lora: LoraDelta | None = None):
-        """x [B, T, E] -> q [B, T, H, D], k and v [B, T, K, D], RoPE applied to q and k;
-        lora: adds the per-token adapter updates of q, k and v (see `LoraDelta`)."""
+    def qkv(self, x: jax.Array, positions: jax.Array, lora: LoraDelta | None = None
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, E], positions [B, T] int32 -> q [B, T, H, D], k and v [B, T, K, D], RoPE
+        applied to q and k; lora: adds the per-token adapter updates of q, k and v (see
+        `LoraDelta`)."""
         cfg = self.cfg
         q = qeinsum("bte,ehd->bthd", x, *linear_weight(self, "q_proj"))
         k = qeinsum("bte,ekd->btkd", x, *linear_weight(self, "k_proj"))
@@ -251,104 +263,6 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         return q, k, v
-
-    def __call__(self, x, positions, cache_k, cache_v, is_sliding):
-        cfg = self.cfg
-        B, T, _ = x.shape
-        K, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-        q, k, v = self._qkv(x, positions)
-        q = q.reshape(B, T, K, G, cfg.head_dim)
-
-        # Which keys each query may see: causal inside this step, `< positions[b, 0]` in the
-        # cache, and within the window on sliding layers.
-        window = cfg.sliding_window or 0
-        q_pos = positions[:, :, None]  # [B, T, 1]
-        new_ok = q_pos >= positions[:, None, :]  # [B, T, T]
-        if window:
-            new_ok &= ~is_sliding | (q_pos - positions[:, None, :] < window)
-        scores = [jnp.einsum("btkgd,bskd->bkgts", q, k)]
-        masks = [new_ok]
-        if cache_k is not None:
-            s_pos = jnp.arange(cache_k.shape[2])[None, None, :]  # [1, 1, S]
-            cache_ok = jnp.broadcast_to(s_pos < positions[:, :1, None], (B, T, cache_k.shape[2]))
-            if window:
-                cache_ok &= ~is_sliding | (q_pos - s_pos < window)
-            scores.insert(0, jnp.einsum("btkgd,bksd->bkgts", q, cache_k))
-            masks.insert(0, cache_ok)
-        s = jnp.concatenate(scores, axis=-1).astype(jnp.float32) * cfg.attention_scale
-        if cfg.attn_logit_softcap:
-            s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
-        mask = jnp.concatenate(masks, axis=-1)[:, None, None]  # [B, 1, 1, T, S + T]
-        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-        p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", p[..., -T:], v)
-        if cache_k is not None:
-            out += jnp.einsum("bkgts,bksd->btkgd", p[..., :-T], cache_v)
-        out = out.reshape(B, T, cfg.num_heads, cfg.head_dim)
-        y = qeinsum("bthd,hde->bte", out, *linear_weight(self, "o_proj"))
-        return y, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-    def decode(self, x: jax.Array, positions: jax.Array, cache_kt: jax.Array, cache_v: jax.Array,
-               is_sliding: bool, length_index: jax.Array,
-               lengths: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One decode step for the first `n` slots, over only the used part of the cache.
-
-        x: [n, 1, E]; positions: [n] int32 (where this token goes; a position at or past S,
-        an idle slot, writes at S - 1); cache_kt: keys transposed `[B, K, D, S]` (so q·k is
-        a plain batched matmul over S) and cache_v `[B, K, S, D]`, of which rows `0 .. n-1`
-        are read and written; is_sliding: static. Attention reads the first
-        `lengths[length_index]` cache positions (`lengths`: static, increasing, ending at S;
-        `length_index`: a traced int32 chosen to cover the largest active position), one
-        `lax.switch` branch per length: a step costs what the sequences hold, not what the
-        cache could hold. (A loop over cache blocks costs more on XLA:CPU, where every small
-        batched matmul has a fixed cost: one switch branch runs one set of them.)
-        Returns the output `[n, 1, E]` and both caches with this token written (in place
-        when the caller donates them).
-        """
-        cfg = self.cfg
-        n = x.shape[0]
-        K, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        q, k, v = self._qkv(x, positions[:, None])
-        # A position past the cache (an idle slot) overwrites the last entry instead of being
-        # dropped: an in-bounds update stays in place on XLA:CPU.
-        w = jnp.minimum(positions, cache_v.shape[2] - 1)
-        new_k, new_v = k[:, 0].astype(cache_kt.dtype), v[:, 0].astype(cache_v.dtype)
-        if n == 1:  # a one-row scatter becomes copies of the cache on XLA:CPU
-            zero = jnp.zeros((), w.dtype)
-            cache_kt = jax.lax.dynamic_update_slice(cache_kt, new_k[..., None],
-                                                    (zero, zero, zero, w[0]))
-            cache_v = jax.lax.dynamic_update_slice(cache_v, new_v[:, :, None],
-                                                   (zero, zero, w[0], zero))
-        else:
-            b = jnp.arange(n)
-            cache_kt = cache_kt.at[b, :, :, w].set(new_k, mode="promise_in_bounds",
-                                                   unique_indices=True)
-            cache_v = cache_v.at[b, :, w].set(new_v, mode="promise_in_bounds",
-                                              unique_indices=True)
-        qg = q[:, 0].reshape(n, K, G, D).astype(cache_kt.dtype)
-        window = cfg.sliding_window if (cfg.sliding_window and is_sliding) else 0
-
-        def attend(length: int):
-            def branch(qg, cache_kt, cache_v, positions):
-                kt = cache_kt[:n, :, :, :length]
-                vb = cache_v[:n, :, :length]
-                s = jnp.einsum("bkgd,bkds->bkgs", qg, kt).astype(jnp.float32)
-                s = s * cfg.attention_scale
-                if cfg.attn_logit_softcap:
-                    s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
-                s_pos = jnp.arange(length)[None, :]
-                ok = s_pos <= positions[:, None]  # the cache up to and including this token
-                if window:
-                    ok &= positions[:, None] - s_pos < window
-                s = jnp.where(ok[:, None, None, :], s, jnp.finfo(jnp.float32).min)
-                p = jax.nn.softmax(s, axis=-1).astype(cache_v.dtype)
-                return jnp.einsum("bkgs,bksd->bkgd", p, vb)
-            return branch
-
-        out = jax.lax.switch(length_index, [attend(length) for length in lengths], qg,
-                             cache_kt, cache_v, positions)
-        out = out.astype(x.dtype).reshape(n, 1, cfg.num_heads * D)
-        return self.project_out(out), cache_kt, cache_v
 
     def project_out(self, out: jax.Array) -> jax.Array:
         """Attention output `[..., H * D]` (heads flattened) -> `[..., E]` through o_proj,

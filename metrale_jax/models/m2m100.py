@@ -35,12 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from metrale_jax.m2m100_config import (  # noqa: F401  (re-exported)
-    ACTIVATIONS,
-    MODEL_TYPES,
-    M2M100Config,
-)
-from metrale_jax.models.layers import AxesTable, stacked_axes
+from metrale_jax.families.m2m100 import M2M100Config
+from metrale_jax.models.layers import AxesTable, random_param, stacked_axes, stacked_modules
 
 # ---- pytrees the engine carries ------------------------------------------------------------
 
@@ -99,10 +95,6 @@ class DecoderCache:
 
 # ---- building blocks -----------------------------------------------------------------------
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
-
-
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """LayerNorm over the last axis: x `[..., E]`, weight and bias `[E]`; statistics and the
     affine map in float32, the result in x's dtype."""
@@ -114,7 +106,7 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
 
 
 def activation(name: str, x: jax.Array) -> jax.Array:
-    """transformers' `ACT2FN[name]` for the supported names (see `ACTIVATIONS`)."""
+    """transformers' `ACT2FN[name]` for the supported names (see `families.m2m100.ACTIVATIONS`)."""
     if name == "relu":
         return jax.nn.relu(x)
     if name == "quick_gelu":  # CLIP's
@@ -167,10 +159,10 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, d_model: int, heads: int, dtype: Any, rngs: nnx.Rngs):
         E, H, D = d_model, heads, d_model // heads
-        self.q_proj = _normal(rngs, (E, H, D), dtype)
-        self.k_proj = _normal(rngs, (E, H, D), dtype)
-        self.v_proj = _normal(rngs, (E, H, D), dtype)
-        self.o_proj = _normal(rngs, (H, D, E), dtype)
+        self.q_proj = random_param(rngs, (E, H, D), dtype)
+        self.k_proj = random_param(rngs, (E, H, D), dtype)
+        self.v_proj = random_param(rngs, (E, H, D), dtype)
+        self.o_proj = random_param(rngs, (H, D, E), dtype)
         self.q_bias = nnx.Param(jnp.zeros((H, D), dtype))
         self.k_bias = nnx.Param(jnp.zeros((H, D), dtype))
         self.v_bias = nnx.Param(jnp.zeros((H, D), dtype))
@@ -212,9 +204,9 @@ class FeedForward(nnx.Module):
 
     def __init__(self, d_model: int, ffn_dim: int, act: str, dtype: Any, rngs: nnx.Rngs):
         self.act = act
-        self.fc1 = _normal(rngs, (d_model, ffn_dim), dtype)
+        self.fc1 = random_param(rngs, (d_model, ffn_dim), dtype)
         self.fc1_bias = nnx.Param(jnp.zeros((ffn_dim,), dtype))
-        self.fc2 = _normal(rngs, (ffn_dim, d_model), dtype)
+        self.fc2 = random_param(rngs, (ffn_dim, d_model), dtype)
         self.fc2_bias = nnx.Param(jnp.zeros((d_model,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -281,15 +273,6 @@ class DecoderLayer(nnx.Module):
         return x + self.ffn(self.ffn_norm(x)), k, v
 
 
-def _stack(make, n: int, rngs: nnx.Rngs):
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def build(r: nnx.Rngs):
-        return make(r)
-
-    return build(rngs)
-
-
 # ---- the model -----------------------------------------------------------------------------
 
 class M2M100(nnx.Module):
@@ -303,14 +286,14 @@ class M2M100(nnx.Module):
     def __init__(self, cfg: M2M100Config, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
         self.cfg = cfg
         E, V = cfg.d_model, cfg.vocab_size
-        self.shared = _normal(rngs, (V, E), dtype)
+        self.shared = random_param(rngs, (V, E), dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _normal(rngs, (E, V), dtype)
-        self.encoder_layers = _stack(lambda r: EncoderLayer(cfg, dtype, r), cfg.encoder_layers,
-                                     rngs)
+            self.lm_head = random_param(rngs, (E, V), dtype)
+        self.encoder_layers = stacked_modules(lambda r: EncoderLayer(cfg, dtype, r),
+                                              cfg.encoder_layers, rngs)
         self.encoder_norm = LayerNorm(E, cfg.layer_norm_eps, dtype)
-        self.decoder_layers = _stack(lambda r: DecoderLayer(cfg, dtype, r), cfg.decoder_layers,
-                                     rngs)
+        self.decoder_layers = stacked_modules(lambda r: DecoderLayer(cfg, dtype, r),
+                                              cfg.decoder_layers, rngs)
         self.decoder_norm = LayerNorm(E, cfg.layer_norm_eps, dtype)
 
     def _embed(self, ids: jax.Array, pos_index: jax.Array) -> jax.Array:

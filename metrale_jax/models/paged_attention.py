@@ -39,6 +39,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from metrale_jax.kernels import decode_attention as cpu_kernel
 from metrale_jax.models.kv_quant import dequantize_rows, is_quantized, quantize_rows
 
 __all__ = [
@@ -99,7 +100,6 @@ def decode_kernel_applies(dtype, pages_dtype=None) -> bool:
         return False
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
-    from metrale_jax.kernels import decode_attention as cpu_kernel
     return cpu_kernel.available()
 
 
@@ -133,7 +133,6 @@ def decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_l
     `s * sm_scale`, then `soft_cap * tanh(s / soft_cap)`. Returns `[n, H, D]` in q's dtype.
     """
     if kernel and decode_kernel_applies(q.dtype, pages.dtype):
-        from metrale_jax.kernels import decode_attention as cpu_kernel
         return cpu_kernel.decode_attention(q, pages, page_table, kv_lens, sm_scale=sm_scale,
                                            sliding_window=sliding_window, soft_cap=soft_cap)
     n, H, D = q.shape

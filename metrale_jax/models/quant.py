@@ -23,7 +23,7 @@ verify, small prefill chunks) runs a C++ XLA FFI kernel instead
 user; `METRALE_INT8_KERNEL=0` or no compiler keeps the XLA form). It reads each int8 weight
 byte once per call: on a 30-layer 576x1536 matvec stack, 1.7 ms against float32's 8.3 ms
 and the XLA int8 form's 67 ms (one row; four rows: 3.1, 14.2 and 63 ms), and the default
-model decodes int8 about 2x faster than float32 (README, "int8 weights").
+model decodes int8 about 2x faster than float32 (docs/quantization.md, "int8 weights").
 
 Larger products (prefill) keep XLA's form, which jaxlib 0.10's XLA:CPU compiles to a
 separate convert of the weight to float32 (a loop fusion, not fused into the dot) followed by
@@ -60,6 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.config import QUANTIZATIONS
+from metrale_jax.errors import InvalidParameterError
+from metrale_jax.kernels.int8_matmul import int8_matmul
+from metrale_jax.models.quant4 import int4_product, quantize4
 from metrale_jax.models.quant_base import (
     KERNEL_MAX_ROWS,
     KERNEL_MAX_ROWS_INT4,
@@ -75,7 +78,6 @@ MLP_LINEAR: dict[str, int] = {"gate": 1, "up": 1, "down": 1}
 def check_quantization(value: str | None) -> str | None:
     """`value` if it is None or one of `QUANTIZATIONS`, else raises `InvalidParameterError`."""
     if value is not None and value not in QUANTIZATIONS:
-        from metrale_jax.errors import InvalidParameterError
         raise InvalidParameterError(
             f"quantization must be one of {QUANTIZATIONS} or None, got {value!r}",
             param="quantization")
@@ -94,7 +96,6 @@ def quantize_weight(w: Any, in_axes: tuple[int, ...], mode: str | None,
     mode "int4" the packed codes and block scales (`models/quant4.py`). `linear` False: the
     embedding / LM head, int8 in every mode."""
     if mode == "int4" and linear:
-        from metrale_jax.models.quant4 import quantize4
         return quantize4(w, in_axes)
     return quantize(w, in_axes)
 
@@ -121,7 +122,6 @@ def _kernel_matmul(x: jax.Array, n_in: int, w: jax.Array, scale: jax.Array,
                    transposed: bool) -> jax.Array:
     """The kernel's `(x @ w) * scale` over x's last `n_in` axes: w [in..., out...] (or, if
     `transposed`, w [out, in] with one input axis); the result [x's other axes..., out...]."""
-    from metrale_jax.kernels.int8_matmul import int8_matmul
     lead = x.shape[:x.ndim - n_in]
     k = math.prod(x.shape[x.ndim - n_in:])
     out = w.shape[:1] if transposed else w.shape[n_in:]
@@ -138,7 +138,6 @@ def qmatmul(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
     if scale is None:
         return x @ w
     if w.dtype == jnp.uint8:
-        from metrale_jax.models.quant4 import int4_product
         return int4_product(x, 1, w, scale)
     if kernel_serves(x, 1):
         return _kernel_matmul(x, 1, w, scale, transposed=False)
@@ -180,7 +179,6 @@ def qeinsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None) -> j
     if w.dtype == jnp.uint8:
         if layout is None or layout[1]:
             raise ValueError(f"int4 weights take an [in, out] einsum, not {spec!r}")
-        from metrale_jax.models.quant4 import int4_product
         return int4_product(x, layout[0], w, scale)
     if layout is not None and kernel_serves(x, layout[0]):
         return _kernel_matmul(x, layout[0], w, scale, transposed=layout[1])

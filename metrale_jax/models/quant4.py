@@ -36,6 +36,7 @@ import numpy as np
 
 from metrale_jax.config import INT4_BLOCK as BLOCK
 from metrale_jax.config import check_int4_inputs as check_inputs
+from metrale_jax.kernels.int4_matmul import int4_matmul
 from metrale_jax.models.quant_base import SCALE_SUFFIX, kernel_serves
 
 
@@ -90,7 +91,6 @@ def int4_product(x: jax.Array, n_in: int, q: jax.Array, dm: jax.Array) -> jax.Ar
     xf = x.reshape(*lead, k)
     qf, dmf = q.reshape(-1, k // 2), dm.reshape(-1, k // BLOCK, 2)
     if kernel_serves(x, n_in, "int4"):
-        from metrale_jax.kernels.int4_matmul import int4_matmul
         y = int4_matmul(xf.reshape(-1, k), qf, dmf).astype(x.dtype)
     else:
         w = dequantize4(qf, dmf, x.dtype)

@@ -9,6 +9,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from metrale_jax.kernels import int4_matmul, int8_matmul
+
 SCALE_SUFFIX = "_scale"
 """A quantized weight `name`'s scale is the param `name + SCALE_SUFFIX` beside it."""
 
@@ -39,9 +41,7 @@ def kernel_serves(x: jax.Array, n_in: int, kind: str = "int8") -> bool:
     if math.prod(x.shape[:x.ndim - n_in]) > limit:
         return False
     if kind == "int4":
-        from metrale_jax.kernels import int4_matmul
         return int4_matmul.available()
-    from metrale_jax.kernels import int8_matmul
     return int8_matmul.available()
 
 

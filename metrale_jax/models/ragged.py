@@ -14,7 +14,7 @@ share a prefix that another piece of the step writes.
 The projections, norms and MLP run once over all T tokens, so a prompt riding along costs
 its tokens' compute and never stops the rows that decode.
 
-Layers run unrolled over `LayerParams` (one traced body per layer shape, as `models.unrolled`),
+Layers run unrolled over `LayerParams` (`models/unrolled.py`: one traced body per layer shape),
 each layer's page pool updated in place when the caller donates it.
 """
 
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.models.kv_quant import as_stored, stored_head_dim
+from metrale_jax.models.layers import embed_tokens, lm_logits, rms_norm
 from metrale_jax.models.lora import lora_delta
 from metrale_jax.models.paged_attention import (
     chunk_attention,
@@ -35,7 +36,7 @@ from metrale_jax.models.paged_attention import (
     ragged_paged_attention,
     write_kv,
 )
-from metrale_jax.models.unrolled import LayerGraph, LayerParams, _embed, _head
+from metrale_jax.models.unrolled import LayerGraph, LayerParams
 
 # Logical axes of one layer's page pool [N, ps, 2K, D] (engine/sharding.py maps them).
 PAGE_AXES: tuple[str | None, ...] = (None, None, "kv_pairs", "head_dim")
@@ -127,7 +128,7 @@ def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array
     the hidden states `[T, E]` (before the final norm: `head` turns chosen rows into logits) and
     the pools with this step's keys and values written.
     """
-    x = _embed(graph, params, tokens, images)
+    x = embed(graph, params, tokens, images)
     new_pages = []
     layer_lora = lora if lora is not None else (None,) * len(pages)
     for state, sliding, pool, lw in zip(params.layers, graph.cfg.layer_is_sliding, pages,
@@ -138,9 +139,24 @@ def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array
     return x, tuple(new_pages)
 
 
+def embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
+          images: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """Tokens `[T]` int32 -> embeddings `[T, E]` (int8 rows scaled; `images`: as
+    `ragged_layers`')."""
+    outer = params.outer
+    scale = outer["embed_scale"][...] if "embed_scale" in outer else None
+    return embed_tokens(graph.cfg, outer["embed"][...], tokens, images, scale)
+
+
 def head(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
     """Hidden states `[R, E]` -> logits `[R, V] float32` (final norm, LM head, soft-cap)."""
-    return _head(graph, params, x)
+    cfg, outer = graph.cfg, params.outer
+    x = rms_norm(x, outer["final_norm"]["weight"][...], cfg.rms_norm_eps,
+                 cfg.norm_weight_offset)
+    lm_head = None if cfg.tie_word_embeddings else outer["lm_head"][...]
+    embed_scale = outer["embed_scale"][...] if "embed_scale" in outer else None
+    head_scale = outer["lm_head_scale"][...] if "lm_head_scale" in outer else None
+    return lm_logits(cfg, x, outer["embed"][...], lm_head, embed_scale, head_scale)
 
 
 def sequence_logits(graph: LayerGraph, params: LayerParams, ids: list[int], *,
@@ -161,9 +177,6 @@ def sequence_logits(graph: LayerGraph, params: LayerParams, ids: list[int], *,
     if pool_sharding is not None:
         pages = jax.device_put(pages, pool_sharding)
     table = jnp.arange(1, pps + 1, dtype=jnp.int32)[None]  # [1, PPS]: row 0, pages 1 ..
-    run = jax.jit(lambda p, pages, tokens, positions, layout: (
-        lambda x, pages: (head(graph, p, x), pages))(
-            *ragged_layers(graph, p, pages, tokens, positions, layout, n=0)))
     out = []
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
@@ -174,9 +187,45 @@ def sequence_logits(graph: LayerGraph, params: LayerParams, ids: list[int], *,
             slots=jnp.where(real, table[0, pos // page_size] * page_size + pos % page_size, 0),
             dec_table=jnp.zeros((0, pps), jnp.int32), dec_lens=jnp.zeros((0,), jnp.int32),
             chunk_rows=jnp.where(real, 0, -1).astype(jnp.int32), page_table=table)
-        logits, pages = run(params, pages, tokens, pos, layout)
+        logits, pages = _chunk_logits(graph, params, pages, tokens, pos, layout)
         out.append(logits[:len(piece)])
     return jnp.concatenate(out, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("graph",))
+def _chunk_logits(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
+                  tokens: jax.Array, positions: jax.Array, layout: StepLayout):
+    """`sequence_logits`' step: one prefill chunk (no decode rows) -> (logits [C, V], pages)."""
+    x, pages = ragged_layers(graph, params, pages, tokens, positions, layout, n=0)
+    return head(graph, params, x), pages
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, pool: jax.Array,
+           layout: StepLayout, *, n: int, sm_scale: float, sliding_window: int | None,
+           soft_cap: float | None) -> tuple[jax.Array, jax.Array]:
+    """One layer's attention over a ragged step, the decoder-only models' and the
+    encoder-decoders' self-attention alike: writes the step's keys and values into the pool,
+    then the n decode rows attend to their pages and the chunk to itself plus its pieces'
+    context (on TPU: JAX's kernel over the whole step).
+
+    q: [T, H, D]; k, v: [T, K, D]; positions: [T] int32; pool: [N, ps, 2K, D]; n: static.
+    Returns (out [T, H, D], the pool written)."""
+    pool = write_kv(pool, k, v, layout.slots)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if layout.kernel is not None:
+        kl = layout.kernel
+        out = ragged_paged_attention(q, pool, kl.kv_lens, kl.page_indices, kl.cu_q_lens,
+                                     kl.num_seqs, num_decode=n, **opts)
+        return out, pool
+    parts = []
+    if n:
+        parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens, **opts))
+    if q.shape[0] > n:
+        # the chunk's own keys as the pool stores them (int8: quantized and read back)
+        parts.append(chunk_attention(q[n:], as_stored(k[n:], pool.dtype),
+                                     as_stored(v[n:], pool.dtype), layout.chunk_rows,
+                                     positions[n:], pool, layout.page_table, **opts))
+    return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)), pool
 
 
 @functools.partial(jax.jit, static_argnames=("block_def", "sliding", "n"))
@@ -188,34 +237,18 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora
     attn = block.attn
     cfg = attn.cfg
     delta = lora_delta(lora_w, lora_mix) if lora_w is not None else None
-    q, k, v = attn._qkv(block.attn_norm(x)[None], positions[None], delta)
+    q, k, v = attn.qkv(block.attn_norm(x)[None], positions[None], delta)
     q, k, v = q[0], k[0], v[0]  # [T, H, D], [T, K, D]
-    pool = write_kv(pool, k, v, layout.slots)
-    opts = dict(sm_scale=cfg.attention_scale,
-                sliding_window=cfg.sliding_window if (sliding and cfg.sliding_window) else None,
-                soft_cap=cfg.attn_logit_softcap or None)
-    if layout.kernel is not None:  # on TPU: JAX's Pallas kernel over the whole step
-        kl = layout.kernel
-        out = ragged_paged_attention(q, pool, kl.kv_lens, kl.page_indices, kl.cu_q_lens,
-                                     kl.num_seqs, num_decode=n, **opts)
-    else:
-        parts = []
-        if n:
-            parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens,
-                                          **opts))
-        if q.shape[0] > n:
-            # the chunk's own keys as the pool stores them (int8: quantized and read back)
-            parts.append(chunk_attention(q[n:], as_stored(k[n:], pool.dtype),
-                                         as_stored(v[n:], pool.dtype), layout.chunk_rows,
-                                         positions[n:], pool, layout.page_table, **opts))
-        out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    window = cfg.sliding_window if (sliding and cfg.sliding_window) else None
+    out, pool = attend(q, k, v, positions, pool, layout, n=n, sm_scale=cfg.attention_scale,
+                       sliding_window=window, soft_cap=cfg.attn_logit_softcap or None)
     T, H, D = out.shape
     flat = out.astype(x.dtype).reshape(T, H * D)
     y = attn.project_out(flat)  # [T, H*D] @ [H*D, E] (int8 weights: scaled per channel)
     if delta is not None:
         y = y + delta("o_proj", flat)
-    return block._rest(x, y, delta), pool
+    return block.finish(x, y, delta), pool
 
 
-__all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "head", "kernel_layout", "ragged_layers",
-           "sequence_logits"]
+__all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "attend", "embed", "head", "kernel_layout",
+           "ragged_layers", "sequence_logits"]

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.models.kv_quant import as_stored
 from metrale_jax.models.layers import AxesTable
 from metrale_jax.models.m2m100 import (
     ATTENTION_AXES,
@@ -40,12 +39,7 @@ from metrale_jax.models.m2m100 import (
     layer_norm,
     sinusoidal_embedding,
 )
-from metrale_jax.models.paged_attention import (
-    chunk_attention,
-    decode_attention,
-    ragged_paged_attention,
-    write_kv,
-)
+from metrale_jax.models.ragged import attend
 from metrale_jax.models.unrolled import LayerParams
 
 # Logical axes of one cross-attention buffer [B, S, H, D] (engine/sharding.py maps them).
@@ -197,23 +191,8 @@ def _ragged_decoder_layer(layer_def, state, x, positions, pool, layout, cross_k,
     q = _project(h, attn.q_proj[...], attn.q_bias[...])
     k = _project(h, attn.k_proj[...], attn.k_bias[...])
     v = _project(h, attn.v_proj[...], attn.v_bias[...])
-    pool = write_kv(pool, k, v, layout.slots)
-    opts = dict(sm_scale=attn.scale, sliding_window=None, soft_cap=None)
-    if layout.kernel is not None:  # on TPU: JAX's Pallas kernel over the whole step
-        kl = layout.kernel
-        out = ragged_paged_attention(q, pool, kl.kv_lens, kl.page_indices, kl.cu_q_lens,
-                                     kl.num_seqs, num_decode=n, **opts)
-    else:
-        parts = []
-        if n:
-            parts.append(decode_attention(q[:n], pool, layout.dec_table, layout.dec_lens,
-                                          **opts))
-        if q.shape[0] > n:
-            # the chunk's own keys as the pool stores them (int8: quantized and read back)
-            parts.append(chunk_attention(q[n:], as_stored(k[n:], pool.dtype),
-                                         as_stored(v[n:], pool.dtype), layout.chunk_rows,
-                                         positions[n:], pool, layout.page_table, **opts))
-        out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    out, pool = attend(q, k, v, positions, pool, layout, n=n, sm_scale=attn.scale,
+                       sliding_window=None, soft_cap=None)
     x = x + _out(attn, out, x.dtype)
     h = layer.cross_attn_norm(x)
     parts = []

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from metrale_jax.models.layers import AxesTable, stacked_axes
+from metrale_jax.families.llava import VisionConfig
+from metrale_jax.models.layers import AxesTable, random_param, stacked_axes, stacked_modules
 from metrale_jax.models.m2m100 import (
     ATTENTION_AXES,
     FFN_AXES,
@@ -28,11 +29,8 @@ from metrale_jax.models.m2m100 import (
     FeedForward,
     LayerNorm,
     MultiHeadAttention,
-    _normal,
-    _stack,
     activation,
 )
-from metrale_jax.vision_config import VisionConfig
 
 
 class VisionLayer(nnx.Module):
@@ -67,17 +65,17 @@ class VisionEncoder(nnx.Module):
     def __init__(self, cfg: VisionConfig, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
         self.cfg = cfg
         E, p, C, T = cfg.hidden_size, cfg.patch_size, cfg.num_channels, cfg.text_hidden_size
-        self.patch_embed = _normal(rngs, (p, p, C, E), dtype)
+        self.patch_embed = random_param(rngs, (p, p, C, E), dtype)
         if cfg.tower == "siglip":
             self.patch_bias = nnx.Param(jnp.zeros((E,), dtype))
         else:
-            self.class_embed = _normal(rngs, (E,), dtype)
+            self.class_embed = random_param(rngs, (E,), dtype)
             self.pre_norm = LayerNorm(E, cfg.layer_norm_eps, dtype)
-        self.position_embed = _normal(rngs, (cfg.num_positions, E), dtype)
-        self.layers = _stack(lambda r: VisionLayer(cfg, dtype, r), cfg.num_layers, rngs)
+        self.position_embed = random_param(rngs, (cfg.num_positions, E), dtype)
+        self.layers = stacked_modules(lambda r: VisionLayer(cfg, dtype, r), cfg.num_layers, rngs)
         F = len(cfg.feature_layers)
-        self.proj_1 = _normal(rngs, (F * E, T), dtype)
-        self.proj_2 = _normal(rngs, (T, T), dtype)
+        self.proj_1 = random_param(rngs, (F * E, T), dtype)
+        self.proj_2 = random_param(rngs, (T, T), dtype)
         if cfg.projector_bias:
             self.proj_1_bias = nnx.Param(jnp.zeros((T,), dtype))
             self.proj_2_bias = nnx.Param(jnp.zeros((T,), dtype))

@@ -29,3 +29,7 @@ __all__ = [
     "Token",
     "TokenLogprob",
 ]
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax.config", "metrale_jax.engine", "metrale_jax.errors",
+               "metrale_jax.sampling_fields", "metrale_jax.text")

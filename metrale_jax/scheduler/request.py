@@ -38,7 +38,7 @@ class GenerationRequest:
     source: for an encoder-decoder (translation) model, the encoder's input ids (the text to
     translate); `prompt_ids` are then the decoder's prompt (`[</s>, target language]` for
     NLLB). Empty for a decoder-only model.
-    images: for a vision-language model, the prompt's images (`engine.images.PromptImage`:
+    images: for a vision-language model, the prompt's images (`vision.prompt.PromptImage`:
     each one's placeholder run offset, pixels and content digest), in prompt order; the
     prompt holds `tokens_per_image` placeholder tokens for each. Empty otherwise.
     """

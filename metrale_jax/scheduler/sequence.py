@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from metrale_jax.sampling_fields import FIELDS
 from metrale_jax.scheduler.events import Failed, Finished, Token, TokenLogprob
 from metrale_jax.scheduler.repetition import RepetitionDetector
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.stop_checker import StopChecker
 from metrale_jax.scheduler.thinking import ThinkingBudget
 from metrale_jax.scheduler.token_sets import bad_word_ids, breaker_ids
+
+
+def _row_value(row_type: type, value):
+    """A `SamplingParams` value as its `SlotSettings` field holds it (float, int or tuple;
+    None stays None: the seed, which the scheduler picks)."""
+    if value is None:
+        return None
+    return row_type(value) if row_type in (float, int) else tuple(value)
 
 
 class Sequence:
@@ -114,19 +123,10 @@ class Sequence:
         breakers = (breaker_ids(self.tokenizer, p.dry_sequence_breakers)
                     if p.dry_multiplier > 0 else ())
         stop_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_ids)
-        return SlotSettings(
-            temperature=float(p.temperature), top_k=int(p.top_k), top_p=float(p.top_p),
-            min_p=float(p.min_p), seed=int(seed), typical_p=float(p.typical_p),
-            xtc_threshold=float(p.xtc_threshold), xtc_probability=float(p.xtc_probability),
-            top_n_sigma=float(p.top_n_sigma), repetition_penalty=float(p.repetition_penalty),
-            presence_penalty=float(p.presence_penalty),
-            frequency_penalty=float(p.frequency_penalty),
-            dry_multiplier=float(p.dry_multiplier), dry_base=float(p.dry_base),
-            dry_allowed_length=int(p.dry_allowed_length),
-            dry_penalty_last_n=int(p.dry_penalty_last_n), dry_breaker_ids=breakers,
-            lz_penalty=float(p.lz_penalty), min_tokens=int(p.min_tokens), stop_ids=stop_ids,
-            logit_bias=tuple(p.logit_bias), banned_ids=banned, bad_words=words,
-            first_mask=first_mask)
+        row = {f.name: _row_value(f.row_type, getattr(p, f.name)) for f in FIELDS if f.row}
+        row.update(seed=int(seed), dry_breaker_ids=breakers, stop_ids=stop_ids,
+                   banned_ids=banned, bad_words=words, first_mask=first_mask)
+        return SlotSettings(**row)
 
     def add_token(self, token_id: int, logprob: float, top_ids: np.ndarray,
                   top_logprobs: np.ndarray) -> None:

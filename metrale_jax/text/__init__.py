@@ -33,3 +33,6 @@ __all__ = [
     "read_gguf_metadata",
     "tokenizer_from_gguf_metadata",
 ]
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax.errors",)

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from metrale_jax.errors import CheckpointError
+from metrale_jax.text.gguf_tokenizer import load_gguf_tokenizer
 from metrale_jax.text.hf_tokenizer import TOKENIZER_JSON, load_hf_tokenizer
 from metrale_jax.text.sentencepiece_tokenizer import (
     TOKENIZER_MODEL,
@@ -30,8 +31,6 @@ def load_tokenizer(path: Path | str) -> Tokenizer:
     """
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from metrale_jax.text.gguf_tokenizer import load_gguf_tokenizer
-
         return load_gguf_tokenizer(path)
     if not path.is_dir():
         raise CheckpointError(f"tokenizer path {path} is neither a model folder nor a .gguf file")

@@ -36,7 +36,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from metrale_jax.errors import CheckpointError, InvalidParameterError
 from metrale_jax.text.hf_config import read_json, read_tokenizer_files
-from metrale_jax.text.spm_proto import _fields, _normalizer_spec, _write_varint
+from metrale_jax.text.spm_proto import fields, normalizer_spec, write_varint
 from metrale_jax.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,15 +82,15 @@ _NORMALIZER_SPEC = 3
 def _without_whitespace_handling(proto: bytes) -> bytes:
     """A copy of a serialized SentencePiece model whose normalizer neither prefixes a space nor
     removes or squeezes whitespace (its character map still applies)."""
-    spec = _normalizer_spec(proto)
+    spec = normalizer_spec(proto)
     drop = (_ADD_DUMMY_PREFIX, _REMOVE_EXTRA_WHITESPACES)
-    kept = b"".join(spec[start:end] for number, _, start, _, end in _fields(spec)
+    kept = b"".join(spec[start:end] for number, _, start, _, end in fields(spec)
                     if number not in drop)
     for number in drop:
-        kept += _write_varint(number << 3) + b"\x00"  # varint field set to false
-    rest = b"".join(proto[start:end] for number, _, start, _, end in _fields(proto)
+        kept += write_varint(number << 3) + b"\x00"  # varint field set to false
+    rest = b"".join(proto[start:end] for number, _, start, _, end in fields(proto)
                     if number != _NORMALIZER_SPEC)
-    return rest + _write_varint(_NORMALIZER_SPEC << 3 | 2) + _write_varint(len(kept)) + kept
+    return rest + write_varint(_NORMALIZER_SPEC << 3 | 2) + write_varint(len(kept)) + kept
 
 
 class NllbTokenizer(Tokenizer):

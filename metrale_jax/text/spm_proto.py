@@ -35,7 +35,8 @@ class NormalizerFlags:
     escape_whitespaces: bool = True
 
 
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(the varint at `data[pos:]`, the position after it)."""
     value, shift = 0, 0
     while True:
         if pos >= len(data):
@@ -48,7 +49,8 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _write_varint(value: int) -> bytes:
+def write_varint(value: int) -> bytes:
+    """`value` (>= 0) as a protobuf varint."""
     out = bytearray()
     while True:
         low = value & 0x7F
@@ -60,22 +62,22 @@ def _write_varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _fields(data: bytes) -> Iterator[tuple[int, int, int, int, int]]:
+def fields(data: bytes) -> Iterator[tuple[int, int, int, int, int]]:
     """(field number, wire type, start of the field, start of its value, end) for each field."""
     pos = 0
     while pos < len(data):
         start = pos
-        key, pos = _read_varint(data, pos)
+        key, pos = read_varint(data, pos)
         number, wire = key >> 3, key & 7
         value_start = pos
         if wire == _VARINT:
-            _, pos = _read_varint(data, pos)
+            _, pos = read_varint(data, pos)
         elif wire == _I64:
             pos += 8
         elif wire == _I32:
             pos += 4
         elif wire == _LEN:
-            length, value_start = _read_varint(data, pos)
+            length, value_start = read_varint(data, pos)
             pos = value_start + length
         else:
             raise CheckpointError(f"SentencePiece model has an unknown wire type {wire}")
@@ -84,9 +86,10 @@ def _fields(data: bytes) -> Iterator[tuple[int, int, int, int, int]]:
         yield number, wire, start, value_start, pos
 
 
-def _normalizer_spec(proto: bytes) -> bytes:
+def normalizer_spec(proto: bytes) -> bytes:
+    """The bytes of a ModelProto's `normalizer_spec` message (empty when it has none)."""
     spec = b""
-    for number, wire, _, value_start, end in _fields(proto):
+    for number, wire, _, value_start, end in fields(proto):
         if number == _NORMALIZER_SPEC and wire == _LEN:
             spec += proto[value_start:end]  # repeated occurrences of a message are merged
     return spec
@@ -94,11 +97,11 @@ def _normalizer_spec(proto: bytes) -> bytes:
 
 def normalizer_flags(proto: bytes) -> NormalizerFlags:
     """The normalizer flags of a serialized SentencePiece model."""
-    spec = _normalizer_spec(proto)
+    spec = normalizer_spec(proto)
     values = {}
-    for number, wire, _, value_start, _ in _fields(spec):
+    for number, wire, _, value_start, _ in fields(spec):
         if wire == _VARINT:
-            values[number] = bool(_read_varint(spec, value_start)[0])  # the last one wins
+            values[number] = bool(read_varint(spec, value_start)[0])  # the last one wins
     return NormalizerFlags(
         add_dummy_prefix=values.get(_ADD_DUMMY_PREFIX, True),
         remove_extra_whitespaces=values.get(_REMOVE_EXTRA_WHITESPACES, True),
@@ -108,15 +111,15 @@ def normalizer_flags(proto: bytes) -> NormalizerFlags:
 
 def without_dummy_prefix(proto: bytes) -> bytes:
     """A copy of the serialized model whose normalizer does not prefix a space to the text."""
-    spec = _normalizer_spec(proto)
+    spec = normalizer_spec(proto)
     kept = b"".join(
-        spec[start:end] for number, _, start, _, end in _fields(spec) if number != _ADD_DUMMY_PREFIX
+        spec[start:end] for number, _, start, _, end in fields(spec) if number != _ADD_DUMMY_PREFIX
     )
-    new_spec = kept + _write_varint(_ADD_DUMMY_PREFIX << 3 | _VARINT) + b"\x00"
+    new_spec = kept + write_varint(_ADD_DUMMY_PREFIX << 3 | _VARINT) + b"\x00"
     rest = b"".join(
         proto[start:end]
-        for number, _, start, _, end in _fields(proto)
+        for number, _, start, _, end in fields(proto)
         if number != _NORMALIZER_SPEC
     )
-    key = _write_varint(_NORMALIZER_SPEC << 3 | _LEN)
-    return rest + key + _write_varint(len(new_spec)) + new_spec
+    key = write_varint(_NORMALIZER_SPEC << 3 | _LEN)
+    return rest + key + write_varint(len(new_spec)) + new_spec

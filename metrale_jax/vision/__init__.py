@@ -1,7 +1,7 @@
 """Image inputs of vision-language models: decoding and preprocessing.
 
-Imports only errors (and Pillow, NumPy and the standard library): nothing of the models or the
-engine.
+Imports only errors and families (and Pillow, NumPy and the standard library): nothing of the
+models or the engine, which takes the prompt's `PromptImage` records from here.
 
 image, raw = load_image_url(part_url, ImageLimits(), param="messages[1].content[2]")
 processor = ImageProcessor.from_hf(json.load(open("preprocessor_config.json")))
@@ -26,3 +26,6 @@ __all__ = [
     "image_digest",
     "load_image_url",
 ]
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax.errors", "metrale_jax.families")

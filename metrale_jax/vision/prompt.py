@@ -17,12 +17,25 @@ from typing import Any
 
 import numpy as np
 
-from metrale_jax.engine.images import PromptImage
 from metrale_jax.errors import InvalidParameterError
-from metrale_jax.vision_config import VisionConfig
+from metrale_jax.families.llava import VisionConfig
+from metrale_jax.vision.media import check_image_count, image_digest, load_image_url
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
 """Content part types that carry an image."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptImage:
+    """One image of a prompt: `offset`, the prompt position of its first placeholder token,
+    and `length`, how many there are (the model's `T_img`); `pixels [C, H, W] float32`, the
+    image processor's output; `digest`, a hex hash of the image's content (it keys the
+    prefix cache's pages)."""
+
+    offset: int
+    length: int
+    pixels: np.ndarray
+    digest: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +123,6 @@ def prompt_images(images: Sequence[Any], offsets: Sequence[int], digests: Sequen
 def load_refs(refs: Sequence[ImageRef], limits: Any) -> tuple[list[Any], list[str]]:
     """Fetches and decodes every image (blocking: the HTTP server calls this in a thread);
     returns (PIL images, content digests). Raises `InvalidParameterError` naming the part."""
-    from metrale_jax.vision.media import check_image_count, image_digest, load_image_url
     check_image_count(len(refs), limits)
     images, digests = [], []
     for ref in refs:
@@ -131,5 +143,5 @@ def load_refs(refs: Sequence[ImageRef], limits: Any) -> tuple[list[Any], list[st
     return images, digests
 
 
-__all__ = ["IMAGE_PART_TYPES", "ImageRef", "expand_placeholders", "load_refs",
+__all__ = ["IMAGE_PART_TYPES", "ImageRef", "PromptImage", "expand_placeholders", "load_refs",
            "prompt_images", "split_image_parts"]

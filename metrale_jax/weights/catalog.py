@@ -217,6 +217,7 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
 
 def _hf_info(path: Path) -> tuple[str | None, int | None, str | None]:
     """(model_type, parameter count, dtype) from config.json and the safetensors headers."""
+    # lazy, as every heavy import here: listing checkpoints loads no model code (`metrale models`)
     from metrale_jax.weights.safetensors_reader import safetensors_files
     cfg = json.loads((path / "config.json").read_text())
     arch = cfg.get("model_type") or (cfg.get("architectures") or [None])[0]
@@ -261,7 +262,7 @@ def _orbax_info(path: Path) -> tuple[str | None, int | None, str | None]:
     import jax.numpy as jnp
 
     from metrale_jax.config import ModelConfig
-    from metrale_jax.models.transformer import abstract_model
+    from metrale_jax.models.transformer import abstract_model  # JAX only when sizing orbax
     meta = json.loads((path / "metrale.json").read_text())
     config = ModelConfig.from_dict(meta["config"])
     dtype = meta.get("dtype")

@@ -22,10 +22,16 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from metrale_jax.config import ModelConfig
-from metrale_jax.errors import CheckpointError, ModelNotFoundError
+from metrale_jax.config import ModelConfig, check_dtype
+from metrale_jax.errors import CheckpointError, InvalidParameterError, ModelNotFoundError
+from metrale_jax.models.quant import check_quantization
+from metrale_jax.models.quantized_model import quantize_state
+from metrale_jax.text import load_tokenizer, tokenizer_from_gguf_metadata
+from metrale_jax.weights.assemble import assemble_params
 from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
+from metrale_jax.weights.gguf_reader import read_gguf
 from metrale_jax.weights.loaded import Checkpoint, Format
+from metrale_jax.weights.safetensors_reader import read_safetensors
 
 __all__ = ["Checkpoint", "Format", "ShardingsHook", "load_checkpoint", "resolve"]
 
@@ -77,8 +83,6 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
     numpy on the host (GGUF Q8_0 tensors are requantized per output channel from their block
     values); an orbax checkpoint stored quantized loads quantized without it.
     """
-    from metrale_jax.config import check_dtype
-    from metrale_jax.models.quant import check_quantization
     if dtype is not None:
         check_dtype(dtype)
     check_quantization(quantization)
@@ -87,7 +91,6 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
     from metrale_jax.weights.m2m100_reader import is_m2m100_folder, load_m2m100_checkpoint
     if fmt in ("hf", "orbax") and is_m2m100_folder(path, fmt):  # a translation model
         if quantization:
-            from metrale_jax.errors import InvalidParameterError
             raise InvalidParameterError("int8 quantization is for decoder-only models; this "
                                         "is an encoder-decoder (translation) model",
                                         param="quantization")
@@ -95,6 +98,7 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         log.info("loaded %s (M2M100, %s) in %.1fs", path, fmt, time.perf_counter() - start)
         return ckpt
     if fmt == "orbax":
+        # orbax (and its import, about a second) only for an orbax checkpoint
         from metrale_jax.weights.orbax_store import load_orbax, read_metadata
         placed = None
         if shardings is not None:
@@ -102,20 +106,16 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
             placed = shardings(ModelConfig.from_dict(meta["config"]), dtype or meta["dtype"])
         ckpt = load_orbax(path, dtype, shardings=placed)
         if quantization and ckpt.config.quantization is None:  # a float checkpoint
-            from metrale_jax.models.quantized_model import quantize_state
             config, graphdef, params = quantize_state(ckpt.config, ckpt.params, quantization)
             ckpt = dataclasses.replace(ckpt, config=config, graphdef=graphdef, params=params)
         log.info("loaded %s (orbax%s%s) in %.1fs", path, ", sharded" if placed else "",
                  f", {ckpt.config.quantization}" if ckpt.config.quantization else "",
                  time.perf_counter() - start)
         return ckpt
-    from metrale_jax.weights.assemble import assemble_params
     dtype = dtype or "float32"
     jdtype = jnp.dtype(dtype)
     vision, image_processor = None, None
     if fmt == "gguf":
-        from metrale_jax.text import tokenizer_from_gguf_metadata
-        from metrale_jax.weights.gguf_reader import read_gguf
         config, tensors, meta = read_gguf(path)
         config = dataclasses.replace(config, quantization=quantization)
         if shardings is not None:
@@ -125,9 +125,7 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         generation: dict[str, Any] = {"eos_token_id": list(config.eos_token_ids)}
         gguf_meta: dict[str, Any] | None = meta
     else:
-        from metrale_jax.text import load_tokenizer
         from metrale_jax.weights.hf_config import read_generation_config, read_hf_config
-        from metrale_jax.weights.safetensors_reader import read_safetensors
         config = dataclasses.replace(read_hf_config(path), quantization=quantization)
         if shardings is not None:
             shardings(config, dtype)

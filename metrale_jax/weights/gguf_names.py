@@ -4,16 +4,18 @@
 conversion (`convert_hf_to_gguf.py`) that turn a GGUF back into canonical tensors:
 
 - tensor names: `blk.{i}.attn_q.weight` is `model.layers.{i}.self_attn.q_proj.weight`, and so on
-  (`TENSOR_NAMES` in `gguf.constants`). Gemma 2's `ffn_norm` is HF's
-  `pre_feedforward_layernorm`, and its `post_attention_norm` is HF's `post_attention_layernorm`.
+  (`TENSOR_NAMES` in `gguf.constants`); a family whose names differ (Gemma 2's four norms)
+  declares its own in `metrale_jax.families`.
 - config: `{arch}.block_count`, `{arch}.attention.head_count`, ... with llama.cpp's defaults
-  where a key is optional (rope base 10000, Gemma 2 soft-caps 50/30 and window 4096).
+  where a key is optional (rope base 10000); the family (found by `general.architecture`)
+  adds its layer graph and reads its own keys (Gemma 2's soft-caps and window).
 - Llama 3 RoPE: llama.cpp stores the per-frequency divisors as the `rope_freqs.weight` tensor
   instead of metadata; `llama3_rope_scaling` recovers transformers' four parameters from it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,8 +25,11 @@ import numpy as np
 
 from metrale_jax.config import ModelConfig, RopeScaling
 from metrale_jax.errors import CheckpointError, UnsupportedModelError
+from metrale_jax.families import GgufMetadata, family_of_config, family_of_gguf
+from metrale_jax.families.registry import BY_GGUF_ARCHITECTURE
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(BY_GGUF_ARCHITECTURE)
+"""The GGUF `general.architecture`s we read (the families that declare one)."""
 
 # Whole-model tensors: GGUF name -> HF name.
 GLOBAL_TENSORS: dict[str, str] = {
@@ -51,22 +56,16 @@ LAYER_TENSORS: dict[str, str] = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 
-# Gemma 2 has four norms per layer; llama.cpp's `ffn_norm` is the one before the MLP.
-GEMMA2_LAYER_TENSORS: dict[str, str] = {
-    **LAYER_TENSORS,
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
-
 # Tensors llama.cpp may write that have no HF parameter (handled or ignored by the reader).
 ROPE_FREQS = "rope_freqs.weight"
 IGNORED_LAYER_SUFFIXES: tuple[str, ...] = ("attn_rot_embd.weight",)  # old rotary inv_freq
 
 
+@functools.cache
 def layer_table(arch: str) -> dict[str, str]:
-    """The per-layer GGUF-suffix -> HF-suffix table for `arch`."""
-    return GEMMA2_LAYER_TENSORS if arch == "gemma2" else LAYER_TENSORS
+    """The per-layer GGUF-suffix -> HF-suffix table for `arch` (a `ModelConfig.architecture`):
+    the shared one with the family's `gguf_layer_tensors` over it. Do not modify it."""
+    return {**LAYER_TENSORS, **family_of_config(arch).gguf_layer_tensors}
 
 
 def hf_name(gguf_name: str, arch: str) -> str | None:
@@ -119,37 +118,6 @@ def expected_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[s
                            p + "post_feedforward_layernorm.weight": (E,)})
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     return shapes, optional
-
-
-def _get(meta: Mapping[str, Any], key: str, path: Path, default: Any = None,
-         required: bool = False) -> Any:
-    if key not in meta:
-        if required:
-            raise CheckpointError(f"{path}: GGUF metadata has no {key!r}")
-        return default
-    value = meta[key]
-    if isinstance(value, list):
-        raise UnsupportedModelError(
-            f"{path}: per-layer values for {key!r} are not supported (got a list)")
-    return value
-
-
-def _int(meta: Mapping[str, Any], key: str, path: Path, default: int | None = None) -> int:
-    value = _get(meta, key, path, default, required=default is None)
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{path}: GGUF metadata {key!r} is not an integer: "
-                              f"{value!r}") from None
-
-
-def _float(meta: Mapping[str, Any], key: str, path: Path, default: float) -> float:
-    value = _get(meta, key, path, default)
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{path}: GGUF metadata {key!r} is not a number: "
-                              f"{value!r}") from None
 
 
 def _eos_ids(meta: Mapping[str, Any]) -> tuple[int, ...]:
@@ -228,35 +196,37 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, Sequence[
     Metrale-JAX does not implement, `CheckpointError` for missing or malformed metadata.
     """
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    family = family_of_gguf(arch)
+    if family is None:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if _int(meta, f"{arch}.expert_count", path, 0) > 0 or any("_exps" in n for n in shapes):
+    m = GgufMetadata(meta, arch, path)
+    if m.integer("expert_count", 0) > 0 or any("_exps" in n for n in shapes):
         raise UnsupportedModelError(f"{path}: mixture-of-experts models are not supported")
 
-    E = _int(meta, f"{arch}.embedding_length", path)
-    L = _int(meta, f"{arch}.block_count", path)
-    F = _int(meta, f"{arch}.feed_forward_length", path)
-    H = _int(meta, f"{arch}.attention.head_count", path)
-    K = _int(meta, f"{arch}.attention.head_count_kv", path, default=H)
+    E = m.integer("embedding_length")
+    L = m.integer("block_count")
+    F = m.integer("feed_forward_length")
+    H = m.integer("attention.head_count")
+    K = m.integer("attention.head_count_kv", default=H)
     if H <= 0 or K <= 0:
         raise CheckpointError(f"{path}: GGUF metadata has head_count={H}, head_count_kv={K}")
-    rope_dim_key = f"{arch}.rope.dimension_count"
-    fallback_D = _int(meta, rope_dim_key, path, E // H) if arch == "llama" else E // H
-    D = _int(meta, f"{arch}.attention.key_length", path, fallback_D)
-    value_D = _int(meta, f"{arch}.attention.value_length", path, D)
+    fallback_D = (m.integer("rope.dimension_count", E // H) if family.gguf_head_dim_from_rope
+                  else E // H)
+    D = m.integer("attention.key_length", fallback_D)
+    value_D = m.integer("attention.value_length", D)
     if value_D != D:
         raise UnsupportedModelError(f"{path}: key_length {D} != value_length {value_D}")
-    rot_dim = _int(meta, rope_dim_key, path, D)
+    rot_dim = m.integer("rope.dimension_count", D)
     if rot_dim != D:
         raise UnsupportedModelError(
             f"{path}: partial rotary embeddings (rope.dimension_count={rot_dim}, head "
             f"dimension {D}) are not supported")
 
     tokens = meta.get("tokenizer.ggml.tokens")
-    if f"{arch}.vocab_size" in meta:
-        V = _int(meta, f"{arch}.vocab_size", path)
+    if m.has("vocab_size"):
+        V = m.integer("vocab_size")
     elif isinstance(tokens, list) and tokens:
         V = len(tokens)
     elif "token_embd.weight" in shapes:
@@ -265,36 +235,20 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, Sequence[
         raise CheckpointError(f"{path}: cannot tell the vocabulary size (no vocab_size, "
                               "no token list, no token_embd.weight)")
 
-    theta = _float(meta, f"{arch}.rope.freq_base", path, 10000.0)
+    theta = m.number("rope.freq_base", 10000.0)
     scaling: RopeScaling | None = None
-    kind = str(_get(meta, f"{arch}.rope.scaling.type", path, "none")).lower()
+    kind = str(m.get(m.key("rope.scaling.type"), "none")).lower()
     if rope_freqs is not None:
         scaling = llama3_rope_scaling(rope_freqs, theta, rot_dim, path)
     elif kind == "linear":
-        scaling = RopeScaling("linear", factor=_float(meta, f"{arch}.rope.scaling.factor",
-                                                      path, 1.0))
+        scaling = RopeScaling("linear", factor=m.number("rope.scaling.factor", 1.0))
     elif kind not in ("none", ""):
         raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported "
                                     "(supported: none, linear, llama3)")
 
-    gemma = arch in ("gemma", "gemma2")
-    window: int | None = None
-    sliding: tuple[bool, ...] = ()
-    attn_cap = final_cap = qpas = None
-    if arch == "gemma2":
-        window = _int(meta, f"{arch}.attention.sliding_window", path, 4096)
-        sliding = tuple(i % 2 == 0 for i in range(L))  # HF Gemma 2: even layers are local
-        attn_cap = _float(meta, f"{arch}.attn_logit_softcapping", path, 50.0)
-        final_cap = _float(meta, f"{arch}.final_logit_softcapping", path, 30.0)
-        # llama.cpp scales queries by head_dim^-1/2, except for the 46-layer 27B model whose
-        # query_pre_attn_scalar is hidden_size / num_heads (as HF's config says).
-        qpas = float(E // H) if L == 46 else float(D)
-    elif arch == "llama" and f"{arch}.attention.sliding_window" in meta:
-        window = _int(meta, f"{arch}.attention.sliding_window", path) or None
-
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=arch,
+    fields: dict[str, Any] = dict(
+        architecture=family.name,
         vocab_size=V,
         hidden_size=E,
         intermediate_size=F,
@@ -302,23 +256,14 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, Sequence[
         num_heads=H,
         num_kv_heads=K,
         head_dim=D,
-        rms_norm_eps=_float(meta, f"{arch}.attention.layer_norm_rms_epsilon", path,
-                            1e-6 if gemma else 1e-5),
+        rms_norm_eps=m.number("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=_int(meta, f"{arch}.context_length", path, 2048),
+        max_position_embeddings=m.integer("context_length", 2048),
         tie_word_embeddings="output.weight" not in shapes,
-        hidden_act="gelu_tanh" if gemma else "silu",
+        hidden_act="silu",
         attention_bias="blk.0.attn_q.bias" in shapes,
-        qk_norm=arch == "qwen3",
-        norm_weight_offset=gemma,
-        embed_scale=gemma,
-        post_norms=arch == "gemma2",
-        attn_logit_softcap=attn_cap,
-        final_logit_softcap=final_cap,
-        sliding_window=window,
-        sliding_layers=sliding,
-        query_pre_attn_scalar=qpas,
         bos_token_id=bos if isinstance(bos, int) and bos >= 0 else None,
         eos_token_ids=_eos_ids(meta),
     )
+    return ModelConfig(**{**fields, **family.graph, **family.gguf_switches(m, fields)})

@@ -7,7 +7,8 @@ here:
 
 - GGUF lists dims innermost first; numpy shapes are the reverse (`[out, in]`).
 - llama.cpp's converter permutes the rows of Q and K (and their biases) for the `llama`
-  architecture, to turn HF's half-split RoPE into interleaved pairs; we apply the inverse.
+  architecture (its family's `gguf_permuted_qk`), to turn HF's half-split RoPE into
+  interleaved pairs; we apply the inverse.
 - llama.cpp stores Gemma norm weights as `1 + w`; we subtract 1 so values equal HF's.
 - Llama 3 RoPE scaling lives in a `rope_freqs.weight` tensor, not metadata (see gguf_names).
 
@@ -30,6 +31,7 @@ from gguf.quants import dequantize
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, UnsupportedModelError
+from metrale_jax.families import family_of_config
 from metrale_jax.weights.gguf_names import (
     IGNORED_LAYER_SUFFIXES,
     ROPE_FREQS,
@@ -87,12 +89,13 @@ def read_gguf(path: str | os.PathLike[str], *,
     config = config_from_metadata(metadata, shapes, path, rope_freqs)
     plan = _plan(config, by_name, shapes, path)
 
+    permuted_qk = family_of_config(config.architecture).gguf_permuted_qk
     tensors: dict[str, np.ndarray] = {}
     for done, (name, tensor) in enumerate(plan.items(), start=1):
         array = _dequantize(tensor, path)
-        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+        if permuted_qk and ".self_attn.q_proj." in name:
             array = _unpermute(array, config.num_heads, tensor.name, path)
-        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
+        elif permuted_qk and ".self_attn.k_proj." in name:
             array = _unpermute(array, config.num_kv_heads, tensor.name, path)
         if config.norm_weight_offset and name.endswith("norm.weight"):
             array -= 1.0

@@ -1,14 +1,9 @@
 """Reads a LLaVA vision-language model from a Hugging Face folder.
 
-transformers' `LlavaForConditionalGeneration`: `config.json` with `model_type` "llava", a
-`text_config` (any decoder-only family `hf_config` reads) and a `vision_config` (CLIP or
-SigLIP vision model); `preprocessor_config.json` for the image processor. Tensor names come
-in several spellings: with or without a leading `model.`, the text model as
-`language_model.model.*` / `language_model.lm_head.weight` (the hub's) or
-`model.language_model.*` / `lm_head.weight`, the tower with or without `vision_model.`.
+The family's facts (its config, the tensor name prefixes) are `families.llava`; the config is
+read by `hf_config.llava_model_config`; `preprocessor_config.json` gives the image processor.
 The text model's tensors are renamed to the decoder-only names and assembled as any
 decoder-only model; the vision tower's and projector's into a `models.vision.VisionEncoder`.
-The config side (`llava_model_config`) lives in `hf_config`.
 """
 
 from __future__ import annotations
@@ -24,15 +19,13 @@ import numpy as np
 from flax import nnx
 
 from metrale_jax.errors import CheckpointError
+from metrale_jax.families.llava import (
+    PROJECTOR_PREFIXES,
+    TEXT_PREFIXES,
+    VISION_PREFIXES,
+    VisionConfig,
+)
 from metrale_jax.models.vision import abstract_vision
-from metrale_jax.vision_config import VisionConfig
-from metrale_jax.weights.hf_config import is_llava_config, llava_model_config
-
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.",
-                    "model.vision_tower.", "vision_tower.")  # the longest first
-_PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
 def split_tensors(tensors: Mapping[str, np.ndarray]
@@ -43,18 +36,18 @@ def split_tensors(tensors: Mapping[str, np.ndarray]
     text: dict[str, np.ndarray] = {}
     vision: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
-        for old, new in _TEXT_PREFIXES:
+        for old, new in TEXT_PREFIXES:
             if name.startswith(old):
                 text[new + name[len(old):]] = value
                 break
         else:
             if name == "lm_head.weight":
                 text[name] = value
-            for prefix in _VISION_PREFIXES:
+            for prefix in VISION_PREFIXES:
                 if name.startswith(prefix):
                     vision["vision." + name[len(prefix):]] = value
                     break
-            for prefix in _PROJECTOR_PREFIXES:
+            for prefix in PROJECTOR_PREFIXES:
                 if name.startswith(prefix):
                     vision["projector." + name[len(prefix):]] = value
     return text, vision
@@ -156,5 +149,4 @@ def read_processor_config(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
-__all__ = ["assemble_vision", "is_llava_config", "llava_model_config", "read_processor_config",
-           "split_tensors"]
+__all__ = ["assemble_vision", "read_processor_config", "split_tensors"]

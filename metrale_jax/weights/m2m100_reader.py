@@ -29,7 +29,9 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, check_dtype
 from metrale_jax.errors import CheckpointError
-from metrale_jax.models.m2m100 import M2M100, M2M100Config, abstract_m2m100
+from metrale_jax.families import family_of_hf
+from metrale_jax.families.m2m100 import M2M100Config
+from metrale_jax.models.m2m100 import M2M100, abstract_m2m100
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +287,9 @@ def is_m2m100_folder(path: Path, fmt: str) -> bool:
     """Whether `path` (a folder of format "hf" or "orbax") holds an M2M100/NLLB model."""
     try:
         if fmt == "hf":
-            return json.loads((path / "config.json").read_text()).get("model_type") == "m2m_100"
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+            family = family_of_hf(model_type)
+            return family is not None and family.kind == "encoder_decoder"
         if fmt == "orbax":
             return json.loads((path / "metrale.json").read_text()).get("family") == FAMILY
     except (OSError, json.JSONDecodeError):

@@ -33,6 +33,9 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, check_dtype
 from metrale_jax.errors import CheckpointError
+from metrale_jax.models.transformer import abstract_model
+from metrale_jax.models.vision import abstract_vision
+from metrale_jax.text import load_tokenizer, tokenizer_from_gguf_metadata
 from metrale_jax.weights.loaded import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -145,7 +148,6 @@ def load_orbax(path: Path, dtype: str | None = None, shardings: Shardings | None
     stacked `[L, ...]` layout; e.g. `shardings=functools.partial(param_shardings, mesh=mesh)`
     with `metrale_jax.engine.sharding.param_shardings`.
     """
-    from metrale_jax.models.transformer import abstract_model
 
     if dtype is not None:
         check_dtype(dtype)
@@ -181,7 +183,6 @@ def _load_vision(path: Path, config: ModelConfig, stored: str,
                  dtype: str | None) -> tuple[nnx.GraphDef, nnx.State]:
     """A vision-language model's vision encoder from `path/vision` (restored whole: the
     engine replicates it)."""
-    from metrale_jax.models.vision import abstract_vision
     graphdef, abstract = abstract_vision(config.vision, _jnp_dtype(stored))
     try:
         with ocp.StandardCheckpointer() as checkpointer:
@@ -208,7 +209,6 @@ def _sharded_target(target: dict[str, Any], shardings: Shardings, dtype: Any) ->
 
 
 def _load_tokenizer(folder: Path, kind: str):
-    from metrale_jax.text import load_tokenizer, tokenizer_from_gguf_metadata
     if kind == "gguf":
         try:
             meta = json.loads((folder / "gguf_tokenizer.json").read_text())

@@ -8,3 +8,6 @@ commands, so `metrale --help` starts fast.
 from serving.cli.metrale import build_parser, main
 
 __all__ = ["build_parser", "main"]
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax", "serving.http", "serving.progress")

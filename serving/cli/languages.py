@@ -59,7 +59,7 @@ def translation_model(model: str, source_lang: str | None = None,
         return False
     if source_lang is not None or target_lang is not None:
         from metrale_jax.text.nllb import load_nllb_tokenizer
-        from metrale_jax.translation import check_default_languages
+        from metrale_jax.text.translation import check_default_languages
         tokenizer = load_nllb_tokenizer(path / "tokenizer" if fmt == "orbax" else path)
         check_default_languages(tokenizer, source_lang, target_lang)
     return True

@@ -1,4 +1,5 @@
-"""The sampling flags of `metrale generate`: every `SamplingParams` control as a flag."""
+"""The sampling flags of `metrale generate`: every `SamplingParams` control as a flag (the
+numeric ones from `metrale_jax.sampling_fields.SPELLINGS`, the list-valued ones here)."""
 
 from __future__ import annotations
 
@@ -6,39 +7,27 @@ import argparse
 import json
 
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.sampling_fields import FIELD, SAME, spellings
 from metrale_jax.scheduler import SamplingParams
 
-# (flag, type, default, help); the SamplingParams field is the flag with "_" for "-".
-_FLAGS: list[tuple[str, type, object, str]] = [
-    ("--temperature", float, 0.0, "0 = greedy"),
-    ("--top-k", int, 0, "keep the k most likely tokens (0 = off)"),
-    ("--top-p", float, 1.0, "nucleus sampling mass (1 = off)"),
-    ("--min-p", float, 0.0, "drop tokens below min_p * p(most likely) (0 = off)"),
-    ("--typical-p", float, 1.0, "locally typical sampling mass (1 = off)"),
-    ("--top-n-sigma", float, 0.0, "keep logits within n standard deviations of the top "
-                                  "(0 = off)"),
-    ("--xtc-threshold", float, 0.1, "XTC: tokens at or above this probability are excluded"),
-    ("--xtc-probability", float, 0.0, "XTC: chance per step to exclude them (0 = off)"),
-    ("--repetition-penalty", float, 1.0, "divide/multiply logits of seen tokens (1 = off)"),
-    ("--presence-penalty", float, 0.0, "OpenAI presence penalty in [-2, 2]"),
-    ("--frequency-penalty", float, 0.0, "OpenAI frequency penalty in [-2, 2]"),
-    ("--dry-multiplier", float, 0.0, "DRY penalty strength (0 = off)"),
-    ("--dry-base", float, 1.75, "DRY exponential base"),
-    ("--dry-allowed-length", int, 2, "DRY: repeats up to this length are free"),
-    ("--dry-penalty-last-n", int, -1, "DRY: tokens to scan (-1 = whole context, 0 = off)"),
-    ("--lz-penalty", float, 0.0, "LZ penalty strength (0 = off)"),
-    ("--min-tokens", int, 0, "eos and stop ids are masked until this many tokens"),
-    ("--seed", int, None, "seed for sampling"),
-    ("--num-beams", int, 1, "beam search over this many beams (1 = off; transformers' "
-                            "num_beams; prints the best hypothesis)"),
-    ("--length-penalty", float, 1.0, "beam search: score = logprob sum / length ** this"),
-]
+_TYPES = {"number": float, "integer": int}
+
+
+def _flags() -> list[tuple[str, type, object, str]]:
+    """(flag, type, default, help) of each CLI spelling in `sampling_fields.SPELLINGS`; the
+    default is the spelling's own (temperature: greedy) else the field's."""
+    out = []
+    for s in spellings("cli"):
+        f = FIELD[s.field]
+        default = f.default if s.default is SAME else s.default
+        out.append((s.name, _TYPES[f.kind], default, f.doc))
+    return out
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     """Adds every sampling control to `parser` (defaults: greedy, everything off)."""
     group = parser.add_argument_group("sampling")
-    for flag, kind, default, text in _FLAGS:
+    for flag, kind, default, text in _flags():
         group.add_argument(flag, type=kind, default=default, help=text)
     group.add_argument("--dry-sequence-breaker", action="append", default=None,
                        metavar="TEXT", help="a DRY sequence breaker (repeatable; default "
@@ -68,8 +57,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
         if not isinstance(bias, dict):
             raise InvalidParameterError("--logit-bias must be a JSON object",
                                         param="logit_bias")
-    fields = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-              for flag, *_ in _FLAGS}
+    fields = {s.field: getattr(args, s.name[2:].replace("-", "_")) for s in spellings("cli")}
     if args.dry_sequence_breaker is not None:
         fields["dry_sequence_breakers"] = tuple(args.dry_sequence_breaker)
     return SamplingParams(max_tokens=args.max_tokens, stop=tuple(args.stop),

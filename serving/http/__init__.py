@@ -3,3 +3,6 @@
 reasoning. A thin async layer over `metrale_jax.scheduler` that never touches JAX; may import
 metrale_jax and serving.progress, never serving.cli (nor rich, textual or matplotlib).
 """
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax", "serving.progress")

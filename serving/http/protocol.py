@@ -9,18 +9,21 @@ Unknown fields are kept (`extra="allow"`) so the app can log them and name them 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+import operator
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.sampling_fields import FIELD, REQUIRED, api_bound, api_default, spellings
 from metrale_jax.scheduler import SamplingParams
 from serving.http.tools.request import ToolChoice, parse_tool_choice, template_tool_calls
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """Common config: unknown fields allowed (reported), no coercion of strings to numbers."""
 
     model_config = ConfigDict(extra="allow", strict=False, protected_namespaces=())
@@ -70,52 +73,55 @@ class Speculative(BaseModel):
     num_tokens: Annotated[int, Field(ge=0, le=64)]
 
 
-class _Sampling(_Body):
-    """The sampling fields shared by chat and completions."""
+def api_fields(api: str) -> dict[str, Any]:
+    """The pydantic field definitions of an API's spellings of the sampling fields
+    (`metrale_jax.sampling_fields.SPELLINGS`; those the request models declare in their own
+    shape left out): the JSON type, the API's bound as constraints, the API's default (None:
+    unset, the field's default applies)."""
+    out: dict[str, Any] = {}
+    for s in spellings(api):
+        if s.own:
+            continue
+        f = FIELD[s.field]
+        kind = s.json if s.json is not None else _JSON_TYPES[f.kind]
+        if s.items is not None:
+            kind = list[Annotated[int, Field(**s.items.pydantic())]]
+        bound = api_bound(s)
+        constraints = {**(bound.pydantic() if bound is not None and s.items is None else {}),
+                       **s.constraints}
+        if constraints.pop("strict", False):  # no coercion (a union's members one by one)
+            kind = functools.reduce(operator.or_, (Annotated[member, Field(strict=True)]
+                                                   for member in get_args(kind) or (kind,)))
+        if constraints:
+            kind = Annotated[kind, Field(**constraints)]
+        default = api_default(s)
+        if default is REQUIRED:
+            out[s.name] = (kind, ...)
+        elif default is None:
+            out[s.name] = (kind | None, None)
+        else:
+            out[s.name] = (kind, default)
+    return out
+
+
+_JSON_TYPES = {"number": float, "integer": int, "flag": bool}
+
+
+class SamplingRequestBase(RequestBody):
+    """The fields of chat and completions besides the sampling table's spellings."""
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    # vLLM's extras
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    ignore_eos: bool = False
-    stop_token_ids: TokenIds | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    bad_words: list[str] | None = None
-    typical_p: Annotated[float, Field(gt=0, le=1)] | None = None
     return_token_ids: bool = False
-    # llama.cpp's samplers
-    dry_multiplier: Annotated[float, Field(ge=0)] | None = None
-    dry_base: Annotated[float, Field(ge=1)] | None = None
-    dry_allowed_length: Annotated[int, Field(ge=0)] | None = None
-    dry_penalty_last_n: Annotated[int, Field(ge=-1)] | None = None
-    dry_sequence_breakers: list[str] | None = None
-    top_n_sigma: float | None = None
-    xtc_threshold: Annotated[float, Field(ge=0, le=1)] | None = None
-    xtc_probability: Annotated[float, Field(ge=0, le=1)] | None = None
-    # Metrale's extensions: the LZ penalty, repetition detection, and seconds until the
-    # request ends with a timeout error.
-    lz_penalty: Annotated[float, Field(ge=0)] | None = None
-    repetition_detection: StrictBool | dict[str, Any] | None = None
     # Constrained decoding (besides chat's response_format): the whole output matches a
     # regex, is one of `choice`, or follows a Lark / GBNF `grammar` (llguidance).
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # Metrale's: seconds until the request ends with a timeout error.
     timeout: Annotated[float, Field(gt=0)] | None = None
     # vLLM's: a secret that keeps this request's prefix-cache pages apart from requests
     # without the same salt (one caller cannot learn another's prompts from timing).
@@ -124,12 +130,9 @@ class _Sampling(_Body):
     # gets 0; [] is the base model). Without it: the adapter named by `model`, else the
     # server's active adapters (POST /lora-adapters).
     lora: list[LoraScale] | None = None
-    # Beam search (transformers' and llama.cpp's names; vLLM's use_beam_search): num_beams
-    # beams, the n best hypotheses as the n choices; not streamable.
-    num_beams: Annotated[int, Field(ge=1)] | None = None
+    # Beam search (transformers' and llama.cpp's num_beams; vLLM's use_beam_search): the n
+    # best hypotheses as the n choices; not streamable.
     use_beam_search: bool = False
-    length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
-    early_stopping: bool | Literal["never"] | None = None
     # Translation models (serving/http/translation.py): FLORES-200 codes of the text's and
     # the translation's languages, or NLLB's src_lang / tgt_lang; omitted (or "" or 0): the
     # server's --source-lang / --target-lang. Checked against the tokenizer's codes there.
@@ -161,47 +164,17 @@ class _Sampling(_Body):
         return self.n if self.use_beam_search else 1
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The scheduler's `SamplingParams` of one choice."""
-        stop = self.stop if self.stop is not None else ()
-
-        def given(name: str, default: Any) -> Any:
-            value = getattr(self, name)
-            return default if value is None else value
-
-        extras = {name: getattr(self, name) for name in (
-            "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-            "dry_sequence_breakers", "top_n_sigma", "xtc_threshold", "xtc_probability",
-            "lz_penalty", "typical_p") if getattr(self, name) is not None}
-        if extras.get("dry_sequence_breakers") is not None:
-            extras["dry_sequence_breakers"] = tuple(extras["dry_sequence_breakers"])
+        """The scheduler's `SamplingParams` of one choice: every field the body set under its
+        OpenAI spelling (unset: the field's default), then those carried by properties."""
+        values: dict[str, Any] = {}
+        for s in spellings("openai"):
+            value = None if s.via else getattr(self, s.name)
+            if value is not None:
+                values[s.field] = s.convert(value) if s.convert is not None else value
         return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_k=max(0, self.top_k or 0),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            min_p=0.0 if self.min_p is None else float(self.min_p),
-            seed=self.seed,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            repetition_penalty=float(given("repetition_penalty", 1.0)),
-            presence_penalty=float(given("presence_penalty", 0.0)),
-            frequency_penalty=float(given("frequency_penalty", 0.0)),
-            logit_bias=dict(self.logit_bias or {}),
-            min_tokens=self.min_tokens,
-            bad_words=tuple(self.bad_words or ()),
-            repetition_detection=self.repetition_detection,
-            constraint=self.constraint(),
-            num_beams=self.beams,
-            length_penalty=1.0 if self.length_penalty is None else float(self.length_penalty),
-            early_stopping=False if self.early_stopping is None else self.early_stopping,
-            speculative_tokens=(None if self.speculative is None
-                                else self.speculative.num_tokens),
-            **extras,
-        )
+            **values, max_tokens=max_tokens, logprobs=logprobs, constraint=self.constraint(),
+            num_beams=self.beams, speculative_tokens=(
+                None if self.speculative is None else self.speculative.num_tokens))
 
     def constraint(self) -> Any:
         """The request's one output constraint (`scheduler.constraints.Constraint`) or None;
@@ -218,6 +191,14 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         """True when a streamed answer ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+SamplingRequest = create_model(
+    "SamplingRequest", __base__=SamplingRequestBase, __module__=__name__,
+    **api_fields("openai"),
+    __doc__="The fields shared by chat and completions: `SamplingRequestBase`'s, and the "
+            "sampling fields under their OpenAI spellings (with vLLM's and llama.cpp's "
+            "extras), derived from `metrale_jax.sampling_fields.SPELLINGS`.")
 
 
 class ChatMessage(BaseModel):
@@ -239,7 +220,7 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -366,7 +347,7 @@ def image_parts(messages: list[ChatMessage]) -> list[str]:
             for j, part in enumerate(m.content) if part.get("type") in IMAGE_PART_TYPES]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     """POST /v1/completions: prompt is a string, strings, token ids or lists of token ids."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
@@ -401,11 +382,11 @@ class CompletionRequest(_Sampling):
 
     @property
     def max_new_tokens(self) -> int:
-        """max_tokens, OpenAI's default 16 for completions."""
-        return self.max_tokens or 16
+        """max_tokens, else the field's default (16, OpenAI's for completions)."""
+        return self.max_tokens or FIELD["max_tokens"].default
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """POST /tokenize (vLLM): a `prompt`, or chat `messages` rendered with the template."""
 
     model: str | None = None
@@ -416,14 +397,14 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize (vLLM)."""
 
     model: str | None = None
     tokens: TokenIds
 
 
-def parse(model: type[_Body], body: Any) -> Any:
+def parse(model: type[RequestBody], body: Any) -> Any:
     """Validates a decoded JSON body; pydantic errors become one `InvalidParameterError`."""
     if not isinstance(body, dict):
         raise InvalidParameterError("the request body must be a JSON object")

@@ -378,7 +378,7 @@ def check_languages(checkpoint: Any, source_lang: str | None, target_lang: str |
     `InvalidParameterError`)."""
     from metrale_jax.errors import InvalidParameterError
     if getattr(checkpoint.config, "is_encoder_decoder", False):
-        from metrale_jax.translation import check_default_languages
+        from metrale_jax.text.translation import check_default_languages
         check_default_languages(checkpoint.tokenizer, source_lang, target_lang)
         return
     for code, flag in ((source_lang, "--source-lang"), (target_lang, "--target-lang")):

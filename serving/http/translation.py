@@ -7,7 +7,7 @@ When the served model is an encoder-decoder (`ModelRuntime.is_translation`):
   prompt (each with its n choices). Token-id prompts are refused: send text.
 - The languages are FLORES-200 codes in `source_lang` / `target_lang` (NLLB's names
   `src_lang` / `tgt_lang` work too; both spellings with different values is a 400). Omitted,
-  the server's `--source-lang` / `--target-lang` apply (`metrale_jax.translation`).
+  the server's `--source-lang` / `--target-lang` apply (`metrale_jax.text.translation`).
 - Sampling, `n`, beam search (`num_beams`, `length_penalty`, `early_stopping`), stop strings,
   logprobs and streaming (without beams) work as for a chat model. What only makes sense for
   a chat model (tools, structured output and other constraints, reasoning and chat template
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from metrale_jax.errors import InvalidParameterError
-from metrale_jax.translation import TranslationInputs, translation_inputs
+from metrale_jax.text.translation import TranslationInputs, translation_inputs
 
 LANGUAGE_FIELDS = (("source_lang", "src_lang"), ("target_lang", "tgt_lang"))
 """Each language's field and its alias (NLLB's tokenizer arguments)."""

@@ -9,7 +9,6 @@ token, the counts) is the true one. Processed logprobs describe the distribution
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from metrale_jax.engine.logits_processors import LZ_BUFFER, LZ_WINDOW
 from metrale_jax.engine.sampling import sample
 from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 from metrale_jax.engine.state import settings_to_arrays
-from metrale_jax.models.unrolled import forward_layers
+from metrale_jax.models.ragged import sequence_logits
 from tests.engine import sampling_reference as ref
 
 STEPS = 12
@@ -29,22 +28,10 @@ CONTROLS = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=
                 dry_multiplier=1.5, dry_allowed_length=1, lz_penalty=0.3, min_tokens=4)
 
 
-@functools.cache
-def _full_forward(engine):
-    P = engine.config.max_len
-
-    def run(params, tokens, length):
-        positions = jnp.arange(P, dtype=jnp.int32)[None]
-        logits, _ = forward_layers(engine.graph, params, tokens, positions, None, length - 1)
-        return logits[0]
-    return jax.jit(run), P
-
-
 def reference_next(engine, ids: list[int], n_prompt: int, params: dict) -> int:
-    fn, P = _full_forward(engine)
-    tokens = np.zeros((1, P), np.int32)
-    tokens[0, :len(ids)] = ids
-    logits = np.asarray(fn(engine.params, tokens, np.array([len(ids)], np.int32)))
+    # the whole sequence prefilled in one chunk of max_len (one program for every length)
+    logits = np.asarray(sequence_logits(engine.graph, engine.params, ids,
+                                        chunk=engine.config.max_len)[len(ids) - 1])
     _, kept = ref.process(logits.astype(np.float64), np.array(ids), n_prompt,
                              {**params, "temperature": 0.0, "lz_window": LZ_WINDOW,
                               "lz_buffer": LZ_BUFFER})

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from devtools.hf_models import build_hf_model
 from metrale_jax.engine import SlotSettings
 from metrale_jax.weights.assemble import assemble_params
 from metrale_jax.weights.hf_config import read_hf_config
 from metrale_jax.weights.safetensors_reader import read_safetensors
 from tests.engine.conftest import make_engine
-from tests.hf_models import build_hf_model
 
 NEW_TOKENS = 48
 PROMPT_LENGTHS = (1, 15, 16, 17, 45)

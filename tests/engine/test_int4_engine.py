@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from devtools.logits import stacked_logits
 from metrale_jax.engine import SlotSettings
 from metrale_jax.engine.memory_plan import param_bytes_per_device
 from metrale_jax.models.quantized_model import quantize_state
-from metrale_jax.models.transformer import Transformer, forward
+from metrale_jax.models.transformer import Transformer
 from tests.engine.conftest import TINY, make_engine
 from tests.engine.test_engine import check_batch_invariance_and_seeds, run
 from tests.engine.test_speculative import SAMPLED, K, _decode, _speculate
@@ -52,9 +53,8 @@ def test_greedy_follows_the_int4_model(int4_engine, float_model):
     prompt = np.random.default_rng(3).integers(0, TINY.vocab_size, 9).tolist()
     out = run(int4_engine, [(1, prompt, SlotSettings())])[1][0]
     _, qgraph, qparams = quantize_state(TINY, float_model[1], "int4")
-    seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
-    logits = forward(qgraph, qparams, seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None])[0]
-    assert np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1)).tolist() == out
+    logits = stacked_logits(qgraph, qparams, [prompt + out[:-1]])
+    assert logits[0, len(prompt) - 1:].argmax(-1).tolist() == out
 
 
 def test_verify_matches_decode_with_int4_weights(int4_engine):

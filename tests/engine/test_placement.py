@@ -86,8 +86,8 @@ def test_place_chooses_slots_and_length_from_memory(caplog):
 def test_impossible_configurations_fail_before_anything_is_read(tmp_path):
     """The plan runs inside `load_checkpoint` before any weight is read: a checkpoint whose
     weights file is garbage still fails with the memory error, not a checkpoint error."""
+    from devtools.hf_models import build_tiny_checkpoint
     from metrale_jax import LLM
-    from tests.hf_models import build_tiny_checkpoint
     folder = build_tiny_checkpoint(tmp_path / "tiny")
     (folder / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(MemoryPlanError) as err:

@@ -1,11 +1,11 @@
 """Sharded params and caches on 8 fake CPU devices give the single-device tokens and logits.
 
 One subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=8, set before jax is
-imported) runs this file as a script: for each model it runs a greedy prefill and decode
-steps through the engine's paged path (`models/ragged.py`'s `ragged_layers` and `head` over
+imported) runs this file as a script: for each model it runs a greedy prefill and decode steps
+through the engine's ragged layers (`models/ragged.py`: a prompt chunk, then decode rows, over
 page pools), jitted, once on one device and once per mesh of its `MODEL_MESHES` with params
-and page pools placed by `engine/sharding.py`, and prints a JSON report that the test below
-checks. Models: random tiny configs whose head counts
+and page pools placed by `engine/sharding.py`, and
+prints a JSON report that the test below checks. Models: random tiny configs whose head counts
 divide the model axis (and some that do not: kv heads replicated), a tiny Hugging Face
 checkpoint, and the default model (9 heads / 3 kv heads) on mesh (2, 4).
 
@@ -27,6 +27,7 @@ magnitude above the bound (the closing note of issue #13 shows such a mutation f
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -35,7 +36,7 @@ import pytest
 from tests.fake_devices import print_report, run_child
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-B, T, S, STEPS = 8, 8, 16, 4  # slots, prompt tokens, cache length, decode steps
+B, T, S, STEPS = 8, 8, 16, 4  # rows, prompt tokens, positions per row, decode steps
 
 TINY_BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                  head_dim=16)
@@ -63,80 +64,86 @@ DEFAULT_MODEL_MESHES = MODEL_MESHES["default"]
 
 
 # ---- the child -----------------------------------------------------------------------------
-PAGE = 8  # positions per page: each row holds S // PAGE pages of its own
+PAGE = 4  # page size: a row's T + STEPS positions span several pages
 
 
-def _paged_forward(graph, mesh):
-    """The production forward of one ragged step (`models/ragged.py`'s `ragged_layers` over
-    page pools, then `head`), jitted: `(params, pages, tokens [T], positions [T], rows [T],
-    n) -> (logits [T, V], pages)`; the first n tokens are decode rows 0 .. n-1 (their pages'
-    keys up to their position), the rest one chunk (rows: each token's row). Each row r
-    holds pages 1 + r * S / PAGE ..."""
-    import jax
-    import jax.numpy as jnp
-
-    from metrale_jax.engine.steps import slot_of
-    from metrale_jax.models.ragged import StepLayout, head, ragged_layers
-
-    table = 1 + jnp.arange(B * (S // PAGE), dtype=jnp.int32).reshape(B, S // PAGE)
-
-    def forward(params, pages, tokens, positions, rows, n):
-        slots = slot_of(table[rows], positions, jnp.ones_like(rows, jnp.bool_), PAGE)
-        layout = StepLayout(slots=slots, dec_table=table[:n], dec_lens=positions[:n] + 1,
-                            chunk_rows=rows[n:], page_table=table)
-        x, pages = ragged_layers(graph, params, pages, tokens, positions, layout, n=n)
-        return head(graph, params, x), pages
-
-    return jax.jit(forward, static_argnums=(5,), donate_argnums=(1,))
-
-
-def _empty_pages(cfg, mesh, dtype):
-    """Every layer's page pool `[N, PAGE, 2K, D]`, zeros, placed by `page_pool_sharding`."""
+def _pools(cfg, mesh, dtype):
+    """Empty page pools (B rows of S positions, page 0 the null page), placed on `mesh`."""
     import jax
     import jax.numpy as jnp
 
     from metrale_jax.engine import sharding
 
-    N = 1 + B * (S // PAGE)  # page 0: the null page
-    pages = tuple(jnp.zeros((N, PAGE, 2 * cfg.num_kv_heads, cfg.head_dim), dtype)
+    pages = B * S // PAGE + 1
+    pools = tuple(jnp.zeros((pages, PAGE, 2 * cfg.num_kv_heads, cfg.head_dim), dtype)
                   for _ in range(cfg.num_layers))
     if mesh is not None:
-        pages = jax.device_put(pages, sharding.page_pool_sharding(cfg, N, PAGE, mesh))
-    return pages
+        pools = jax.device_put(pools, sharding.page_pool_sharding(cfg, pages, PAGE, mesh))
+    return pools
 
 
-def _prefill(forward, params, pages, prompts):
-    """`prompts` [R, T] prefilled as one chunk (rows 0 .. R-1) -> (logits [R, T, V], pages)."""
-    import jax.numpy as jnp
-
-    R = len(prompts)
-    tokens = jnp.asarray(prompts, jnp.int32).reshape(-1)
-    positions = jnp.tile(jnp.arange(T, dtype=jnp.int32), R)
-    rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), T)
-    logits, pages = forward(params, pages, tokens, positions, rows, 0)
-    return logits.reshape(R, T, -1), pages
-
-
-def _greedy(graph, params, mesh, prompts):
-    """Prefill `prompts` [B, T] then STEPS greedy decode steps through the engine's paged
-    path (page pools placed by `page_pool_sharding`); params already placed. Returns
-    (prefill logits [B, T, V], decode logits [STEPS, B, V], tokens [STEPS + 1, B], number of
-    devices the logits live on)."""
+def _layout(rows, positions, n: int):
+    """The `StepLayout` of a step whose tokens are at `positions` of `rows` (the first `n`
+    decode rows, then the prompt chunk); row b owns pages 1 + b * S / PAGE onwards."""
     import jax.numpy as jnp
     import numpy as np
 
-    cfg = graph.cfg
-    forward = _paged_forward(graph, mesh)
-    pages = _empty_pages(cfg, mesh, jnp.float32)
-    logits, pages = _prefill(forward, params, pages, prompts)
+    from metrale_jax.models.ragged import StepLayout
+
+    table = 1 + np.arange(B * S // PAGE, dtype=np.int32).reshape(B, S // PAGE)
+    slots = table[rows, positions // PAGE] * PAGE + positions % PAGE
+    return StepLayout(slots=jnp.asarray(slots, jnp.int32), dec_table=jnp.asarray(table[:n]),
+                      dec_lens=jnp.asarray(positions[:n] + 1, jnp.int32),
+                      chunk_rows=jnp.asarray(rows[n:], jnp.int32),
+                      page_table=jnp.asarray(table))
+
+
+@functools.cache
+def _step_program(graph, n: int):
+    """One ragged step of `graph` (n decode rows, static) -> (logits [T, V], pools)."""
+    import jax
+
+    from metrale_jax.models.ragged import head, ragged_layers
+
+    def step(params, pools, tokens, positions, layout):
+        x, pools = ragged_layers(graph, params, pools, tokens, positions, layout, n=n)
+        return head(graph, params, x), pools
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def _prefill(graph, params, pools, prompts):
+    """The prompts `[R, T]` (rows 0 .. R-1) as one chunk -> (logits [R, T, V], pools)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    R = len(prompts)
+    rows = np.repeat(np.arange(R, dtype=np.int32), T)
+    positions = np.tile(np.arange(T, dtype=np.int32), R)
+    logits, pools = _step_program(graph, 0)(
+        params, pools, jnp.asarray(np.asarray(prompts).reshape(-1), jnp.int32),
+        jnp.asarray(positions), _layout(rows, positions, 0))
+    return logits.reshape(R, T, -1), pools
+
+
+def _greedy(graph, params, mesh, prompts):
+    """Prefill `prompts` [B, T] then STEPS greedy decode steps, through the engine's ragged
+    layers over page pools; params already placed. Returns (prefill logits [B, T, V], decode
+    logits [STEPS, B, V], tokens [STEPS + 1, B], number of devices the logits live on)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    pools = _pools(graph.cfg, mesh, params.outer["embed"][...].dtype)
+    logits, pools = _prefill(graph, params, pools, prompts)
     devices = len(logits.sharding.device_set)
     pre_logits = np.asarray(logits)
     tok = pre_logits[:, -1].argmax(-1).astype(np.int32)
     out_tokens, out_logits = [tok], []
-    rows = jnp.arange(B, dtype=jnp.int32)
+    rows = np.arange(B, dtype=np.int32)
     for step in range(STEPS):
-        pos = jnp.full((B,), T + step, jnp.int32)
-        logits, pages = forward(params, pages, jnp.asarray(tok), pos, rows, B)
+        pos = np.full((B,), T + step, np.int32)
+        logits, pools = _step_program(graph, B)(params, pools, jnp.asarray(tok),
+                                                jnp.asarray(pos), _layout(rows, pos, B))
         devices = min(devices, len(logits.sharding.device_set))
         logits = np.asarray(logits)
         out_logits.append(logits)
@@ -164,20 +171,18 @@ def _noise_floor(graph, params, prompts, batch_logits) -> dict[str, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    forward = _paged_forward(graph, None)
     others = []
     for rows in (4, 2, 1):
         others.append(np.concatenate([
-            np.asarray(_prefill(forward, params, _empty_pages(graph.cfg, None, jnp.float32),
+            np.asarray(_prefill(graph, params, _pools(graph.cfg, None, jnp.float32),
                                 prompts[i:i + rows])[0])
             for i in range(0, len(prompts), rows)]))
     with jax.enable_x64(True):
         wide = jax.tree.map(
             lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x,
             params)
-        forward = _paged_forward(graph, None)
-        pages = _empty_pages(graph.cfg, None, jnp.float64)
-        others.append(np.asarray(_prefill(forward, wide, pages, prompts)[0], np.float32))
+        others.append(np.asarray(_prefill(graph, wide, _pools(graph.cfg, None, jnp.float64),
+                                          prompts)[0], np.float32))
     return {"rel": max(_rel(o, batch_logits) for o in others),
             "fro": max(_fro(o, batch_logits) for o in others)}
 
@@ -249,9 +254,9 @@ def child_main(spec: dict) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     """Runs the child once for every model and mesh; its parsed JSON report."""
+    from devtools.hf_models import build_tiny_checkpoint
     from metrale_jax.weights.default_model import default_model_path
     from tests.conftest import CACHE
-    from tests.hf_models import build_tiny_checkpoint
 
     hf = build_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
     checkpoints = [["hf-llama-h4-k2", str(hf), MODEL_MESHES["hf-llama-h4-k2"]]]

@@ -16,13 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from devtools.hf_models import build_hf_model
 from metrale_jax.engine import SlotSettings
 from metrale_jax.scheduler.ngram_draft import propose
 from metrale_jax.weights.assemble import assemble_params
 from metrale_jax.weights.hf_config import read_hf_config
 from metrale_jax.weights.safetensors_reader import read_safetensors
 from tests.engine.conftest import make_engine
-from tests.hf_models import build_hf_model
 
 ARCHS = ("llama", "gemma2")
 """test_greedy_hf's tiny models and engine shapes: their prefill and decode programs come from

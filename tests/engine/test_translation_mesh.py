@@ -55,7 +55,7 @@ def _run(folder: str, mesh: tuple[int, int], cache_dir: str) -> dict:
 
 
 def _inputs(llm, text, src, tgt):
-    from metrale_jax.translation import translation_inputs
+    from metrale_jax.text.translation import translation_inputs
     return translation_inputs(llm.tokenizer, text, src, tgt)
 
 
@@ -69,8 +69,8 @@ def child_main(spec: dict) -> None:
 # ---- the tests -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
+    from devtools.nllb_models import build_nllb_folder
     from tests.conftest import CACHE
-    from tests.nllb_models import build_nllb_folder
     folder = tmp_path_factory.mktemp("nllb-mesh")
     build_nllb_folder(folder)
     spec = {"folder": str(folder), "cache_dir": str(CACHE)}

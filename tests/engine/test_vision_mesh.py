@@ -29,8 +29,8 @@ def _run(folder: str, mesh: tuple[int, int], cache_dir: str) -> dict:
 
     from metrale_jax import LLM, SamplingParams
     from metrale_jax.completion import collect
-    from metrale_jax.engine.images import PromptImage
     from metrale_jax.scheduler import GenerationRequest
+    from metrale_jax.vision.prompt import PromptImage
 
     llm = LLM(folder, mesh=mesh, compilation_cache_dir=cache_dir, **SHAPES)
     try:
@@ -69,8 +69,8 @@ def child_main(spec: dict) -> None:
 # ---- the tests -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
+    from devtools.llava_models import build_llava_folder
     from tests.conftest import CACHE
-    from tests.llava_models import build_llava_folder
     folder = tmp_path_factory.mktemp("llava-mesh")
     build_llava_folder(folder, "clip")
     spec = {"folder": str(folder), "cache_dir": str(CACHE)}

@@ -1,6 +1,6 @@
 """The LLaVA vision encoder (CLIP or SigLIP tower and projector) against transformers.
 
-Tiny random `LlavaForConditionalGeneration` models (tests/llava_models.py), float32: our
+Tiny random `LlavaForConditionalGeneration` models (devtools/llava_models.py), float32: our
 `VisionEncoder`, loaded from the saved folder, must give `get_image_features`' output within
 1e-4 relative, for CLIP with LLaVA-1.5's choices (layer -2, class token dropped), CLIP with
 two feature layers, and SigLIP (LLaVA-Interleave's: the last layer, every position).
@@ -24,7 +24,7 @@ CASES = {
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
     """(our vision graphdef and params, the model config, the transformers model)."""
-    from tests.llava_models import build_llava_folder
+    from devtools.llava_models import build_llava_folder
     tower, text, overrides = CASES[request.param]
     folder = tmp_path_factory.mktemp(f"llava-{request.param}")
     hf = build_llava_folder(folder, tower, text, llava_overrides=overrides)
@@ -34,11 +34,8 @@ def pair(request, tmp_path_factory):
 def _load(folder):
     import json
 
-    from metrale_jax.weights.llava_reader import (
-        assemble_vision,
-        llava_model_config,
-        split_tensors,
-    )
+    from metrale_jax.weights.hf_config import llava_model_config
+    from metrale_jax.weights.llava_reader import assemble_vision, split_tensors
     from metrale_jax.weights.safetensors_reader import read_safetensors
     cfg = llava_model_config(json.loads((folder / "config.json").read_text()), folder)
     _, vision = split_tensors(read_safetensors(folder))

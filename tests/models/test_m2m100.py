@@ -10,8 +10,6 @@ ids from either file.
 
 from __future__ import annotations
 
-import io
-import json
 import shutil
 
 import jax.numpy as jnp
@@ -22,6 +20,7 @@ import torch
 import transformers
 from safetensors.numpy import save_file
 
+from devtools.nllb_models import nllb_config, randomize, write_nllb_tokenizer
 from metrale_jax.errors import CheckpointError, InvalidParameterError
 from metrale_jax.models.m2m100 import DecoderCache
 from metrale_jax.text.nllb import FLORES200_CODES, load_nllb_tokenizer
@@ -34,18 +33,6 @@ from metrale_jax.weights.safetensors_reader import read_safetensors
 
 pytestmark = pytest.mark.xdist_group("m2m100")
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Le renard brun rapide saute par-dessus le chien paresseux.",
-    "Hello world, how are you today?",
-    "Bonjour le monde, comment allez-vous aujourd'hui ?",
-    "Der schnelle braune Fuchs springt über den faulen Hund.",
-    "El rápido zorro marrón salta sobre el perro perezoso.",
-    "Translation models map sentences between many languages.",
-    "Les modèles de traduction relient les langues du monde.",
-    "Machine translation is useful for reading news in other languages.",
-    "La traduction automatique est utile pour lire les nouvelles.",
-]
 SENTENCES = [
     ("Hello world, how are you?", "eng_Latn"),
     ("Le chien saute par-dessus le renard.", "fra_Latn"),
@@ -55,34 +42,13 @@ SENTENCES = [
 ]
 
 
-def _added(content: str, **kw) -> dict:
-    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True, **kw}
-
-
 @pytest.fixture(scope="module")
 def tok_folders(tmp_path_factory):
     """(spm folder, tokenizer.json folder, SentencePiece piece count): the spm folder as the
     Hub's NLLB folders are laid out (tokenizer_config.json places the codes), the other what
     transformers saves from it."""
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS * 3), model_writer=buf, vocab_size=150, model_type="bpe",
-        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
-    pieces = spm.SentencePieceProcessor(model_proto=buf.getvalue()).get_piece_size()
     spm_dir = tmp_path_factory.mktemp("nllb_spm")
-    (spm_dir / "sentencepiece.bpe.model").write_bytes(buf.getvalue())
-    decoder = {str(i): _added(t) for i, t in enumerate(("<s>", "<pad>", "</s>", "<unk>"))}
-    for i, code in enumerate(FLORES200_CODES):
-        decoder[str(pieces + 1 + i)] = _added(code)
-    decoder[str(pieces + 1 + len(FLORES200_CODES))] = _added("<mask>", lstrip=True,
-                                                             normalized=True)
-    config = {"tokenizer_class": "NllbTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "pad_token": "<pad>", "sep_token": "</s>",
-              "cls_token": "<s>", "mask_token": "<mask>", "legacy_behaviour": False,
-              "additional_special_tokens": list(FLORES200_CODES),
-              "added_tokens_decoder": decoder, "model_max_length": 1024}
-    (spm_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    pieces = write_nllb_tokenizer(spm_dir, with_json=False)
     json_dir = tmp_path_factory.mktemp("nllb_json")
     transformers.NllbTokenizer.from_pretrained(spm_dir).save_pretrained(json_dir)
     assert (json_dir / "tokenizer.json").is_file()
@@ -94,19 +60,11 @@ def pair(tok_folders, tmp_path_factory):
     """(transformers model, our model, our config, model folder)."""
     _, _, pieces = tok_folders
     folder = tmp_path_factory.mktemp("m2m100")
-    config = transformers.M2M100Config(
-        vocab_size=pieces + 1 + len(FLORES200_CODES) + 1 + 2,  # + padding, as NLLB's config
-        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
+    # NLLB's scaled embeddings and a 64-position table, as the Hub's config (not the generation
+    # tests' unscaled one)
+    config = nllb_config(pieces, max_position_embeddings=64, scale_embedding=True)
     hf = transformers.M2M100ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "layer_norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
+    randomize(hf, seed=0, scale=0.1)
     hf.save_pretrained(folder)
     model, cfg, generation = load_m2m100(folder)
     assert generation["decoder_start_token_id"] == 2

@@ -16,12 +16,15 @@ Tolerances come from the quantization error, not from a run:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from devtools.logits import stacked_logits
 from metrale_jax.config import ModelConfig
 from metrale_jax.models.quant import (
     SCALE_SUFFIX,
@@ -30,7 +33,7 @@ from metrale_jax.models.quant import (
     stacked_in_axes,
 )
 from metrale_jax.models.quantized_model import quantize_state
-from metrale_jax.models.transformer import Transformer, forward
+from metrale_jax.models.transformer import Transformer
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16)
@@ -123,13 +126,11 @@ def test_logits_within_the_quantization_bound(arch):
     assert (pure["embed"].dtype == jnp.int8) == (mode == "int8-all")
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, TOKENS)),
                          jnp.int32)
-    positions = jnp.arange(TOKENS, dtype=jnp.int32)[None]
-    run = jax.jit(forward, static_argnums=0)
-    ref = np.asarray(run(graphdef, params, tokens, positions)[0])
-    got = np.asarray(run(qgraph, qparams, tokens, positions)[0])
+    ref = stacked_logits(graphdef, params, tokens)
+    got = stacked_logits(qgraph, qparams, tokens)
     deq = jax.tree.map(lambda x: x, params)
     nnx.replace_by_pure_dict(deq, dequantized(qcfg, qparams))
-    same = np.asarray(run(graphdef, deq, tokens, positions)[0])
+    same = stacked_logits(graphdef, deq, tokens)
     scale = np.abs(ref).max()
     # the int8 path computes the float model of the dequantized weights
     assert np.abs(got - same).max() <= 1e-5 * scale
@@ -162,27 +163,31 @@ def test_engine_quantizes_a_float_model_and_decodes_greedily():
         out.append(int(np.asarray(step.tokens)[0, 0]))
     # teacher-forced: the quantized model's own argmax at every position of prompt + output
     _, qgraph, qparams = quantize_state(cfg, params, "int8")
-    seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
-    logits = forward(qgraph, qparams, seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None])[0]
-    assert np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1)).tolist() == out
+    logits = stacked_logits(qgraph, qparams, [prompt + out[:-1]])
+    assert logits[0, len(prompt) - 1:].argmax(-1).tolist() == out
 
 
 # ---- checkpoints (the orbax round trip: tests/serving/cli/test_quantization.py) -----------
-def test_gguf_q8_0_tensors_become_int8_per_channel(tmp_path):
-    """Q8_0 blocks (32 inputs, one float16 scale each) are requantized per output channel:
-    the int8 weight is within half a per-channel step of the file's own values."""
-    import dataclasses
-
-    from gguf import GGMLQuantizationType as Q
-
+def load_quantized_gguf(tmp_path, tensor_type, quantization: str):
+    """A tiny llama GGUF of `tensor_type` tensors (tests/weights/test_gguf_reader.py's),
+    loaded with `quantization`: (its spec, the file's exact float values by HF name, the
+    params as a pure dict)."""
     from metrale_jax.weights.assemble import assemble_params
     from metrale_jax.weights.gguf_reader import read_gguf
     from tests.weights.test_gguf_reader import make
-    path, spec, _, exact, _ = make(tmp_path, "llama", types=Q.Q8_0)
+    path, spec, _, exact, _ = make(tmp_path, "llama", types=tensor_type)
     cfg, tensors, _ = read_gguf(path)
-    cfg = dataclasses.replace(cfg, quantization="int8")
-    _, params = assemble_params(cfg, tensors, path)
-    pure = nnx.to_pure_dict(params)
+    _, params = assemble_params(dataclasses.replace(cfg, quantization=quantization), tensors,
+                                path)
+    return spec, exact, nnx.to_pure_dict(params)
+
+
+def test_gguf_q8_0_tensors_become_int8_per_channel(tmp_path):
+    """Q8_0 blocks (32 inputs, one float16 scale each) are requantized per output channel:
+    the int8 weight is within half a per-channel step of the file's own values."""
+    from gguf import GGMLQuantizationType as Q
+
+    spec, exact, pure = load_quantized_gguf(tmp_path, Q.Q8_0, "int8")
     q, scale = pure["blocks"]["mlp"]["down"], pure["blocks"]["mlp"]["down_scale"]
     assert q.dtype == jnp.int8
     want = np.stack([exact[f"model.layers.{i}.mlp.down_proj.weight"].T for i in range(spec.L)])

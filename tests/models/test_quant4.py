@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from devtools.logits import stacked_logits
 from metrale_jax.kernels import int4_matmul
 from metrale_jax.models.quant import KERNEL_MAX_ROWS_INT4, SCALE_SUFFIX, qeinsum, qmatmul
 from metrale_jax.models.quant4 import BLOCK, dequantize4, quantize4
 from metrale_jax.models.quantized_model import quantize_state
-from metrale_jax.models.transformer import forward
-from tests.models.test_quant import TOKENS, random_model
+from tests.models.test_quant import TOKENS, load_quantized_gguf, random_model
 
 EPS = float(np.finfo(np.float32).eps)
 F16 = 2.0 ** -11  # float16's relative rounding
@@ -98,18 +98,9 @@ def test_llama_cpp_q4_1_blocks_come_back_exactly():
 def test_gguf_q4_1_file_loads_as_its_own_int4_values(tmp_path):
     """A GGUF of Q4_1 tensors read with quantization "int4": every linear weight dequantizes
     to the file's values exactly."""
-    import dataclasses
-
     from gguf import GGMLQuantizationType as Q
 
-    from metrale_jax.weights.assemble import assemble_params
-    from metrale_jax.weights.gguf_reader import read_gguf
-    from tests.weights.test_gguf_reader import make
-    path, spec, _, exact, _ = make(tmp_path, "llama", types=Q.Q4_1)
-    cfg, tensors, _ = read_gguf(path)
-    cfg = dataclasses.replace(cfg, quantization="int4")
-    _, params = assemble_params(cfg, tensors, path)
-    pure = nnx.to_pure_dict(params)
+    spec, exact, pure = load_quantized_gguf(tmp_path, Q.Q4_1, "int4")
     q, dm = pure["blocks"]["mlp"]["down"], pure["blocks"]["mlp"]["down_scale"]
     assert q.dtype == jnp.uint8 and dm.dtype == jnp.float16
     want = np.stack([exact[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(spec.L)])
@@ -277,10 +268,10 @@ def test_logits_within_the_quantization_bounds(arch, monkeypatch: pytest.MonkeyP
     assert pure["embed"].dtype == jnp.int8
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, TOKENS)),
                          jnp.int32)
-    positions = jnp.arange(TOKENS, dtype=jnp.int32)[None]
 
-    def run(g, p):  # a new function each time: traced anew (the kernel switch is read then)
-        return np.asarray(jax.jit(lambda p: forward(g, p, tokens, positions))(p)[0])
+    def run(g, p):  # traced anew each time (the kernel switch is read while tracing)
+        jax.clear_caches()
+        return stacked_logits(g, p, tokens)
 
     ref = run(graphdef, params)
     got = run(qgraph, qparams)  # the kernel on a CPU (12 rows)

@@ -33,25 +33,24 @@ def child_main() -> None:
     import numpy as np
     from flax import nnx
 
+    from devtools.logits import rows_logits
     from metrale_jax.config import ModelConfig
     from metrale_jax.engine.sharding import make_mesh, page_pool_sharding, shard_params
     from metrale_jax.models.quantized_model import quantize_state
     from metrale_jax.models.ragged import sequence_logits
     from metrale_jax.models.transformer import Transformer
-    from metrale_jax.models.unrolled import forward_layers, split_layers
+    from metrale_jax.models.unrolled import split_layers
 
     assert len(jax.devices()) == 8, jax.devices()
     cfg = ModelConfig(**CONFIG)
     _, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (8, 16)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (8, 16))
+    tokens = np.random.default_rng(0).integers(0, 512, (8, 16))
     report: dict = {}
     graph, layers = split_layers(*quantize_state(cfg, params, "int8")[1:])
-    run = jax.jit(lambda lp: forward_layers(graph, lp, tokens, positions)[0])
-    report["one"] = np.asarray(run(layers)).tolist()
+    report["one"] = rows_logits(graph, layers, tokens).tolist()
     for mesh in [(8, 1), (2, 4)]:
         sharded = shard_params(layers, make_mesh(*mesh))
-        report[str(mesh)] = np.asarray(run(sharded)).tolist()
+        report[str(mesh)] = rows_logits(graph, sharded, tokens).tolist()
     # The int8 KV cache: a prompt in two chunks through int8 pools, on one device and with
     # the pools sharded as the engine shards them (kv heads on "model" when they divide it).
     ids = np.random.default_rng(1).integers(0, 512, 40).tolist()
@@ -65,11 +64,10 @@ def child_main() -> None:
     layer = sharded.layers[0]  # on (2, 4)
     # int4 weights (models/quant4.py): stored [out..., in / 2], sharded on their output axes.
     graph4, layers4 = split_layers(*quantize_state(cfg, params, "int4")[1:])
-    run4 = jax.jit(lambda lp: forward_layers(graph4, lp, tokens, positions)[0])
-    report["int4/one"] = np.asarray(run4(layers4)).tolist()
+    report["int4/one"] = rows_logits(graph4, layers4, tokens).tolist()
     for mesh in [(8, 1), (2, 4)]:
         sharded4 = shard_params(layers4, make_mesh(*mesh))
-        report[f"int4/{mesh}"] = np.asarray(run4(sharded4)).tolist()
+        report[f"int4/{mesh}"] = rows_logits(graph4, sharded4, tokens).tolist()
     report["int4/specs"] = {
         f"{m}/{w}": [str(x) for x in sharded4.layers[0][m][w][...].sharding.spec]
         for m, ws in (("attn", ("q_proj", "q_proj_scale", "o_proj", "o_proj_scale")),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hf_models import build_tiny_checkpoint
+from devtools.hf_models import build_tiny_checkpoint
 from tests.notebooks.runner import run_notebook
 
 SHARDED_HEADS = dict(num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hf_models import build_tiny_checkpoint
+from devtools.hf_models import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -127,7 +127,7 @@ EXPRESSION = r"\([0-9]{1,3}[-+*][0-9]{1,3}\)"
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(tmp_path_factory) -> Tokenizer:
-    from tests.hf_models import save_tiny_tokenizer
+    from devtools.hf_models import save_tiny_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-tokenizer")
     save_tiny_tokenizer(folder)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from devtools.hf_models import build_hf_model, save_tiny_tokenizer
 from metrale_jax import SamplingParams
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.scheduler import Finished, GenerationRequest, Token
-from tests.hf_models import build_hf_model, save_tiny_tokenizer
 from tests.weights.test_lora import ATTN, MLP, make_adapter
 
 ADAPTERS = {"attn": (ATTN, 1, False), "mlp": (MLP, 8, False), "all": (ATTN + MLP, 16, True)}

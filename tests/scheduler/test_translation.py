@@ -1,6 +1,6 @@
 """Translation with an encoder-decoder (NLLB / M2M100) through the engine and batching loop.
 
-A tiny random NLLB model (`tests/nllb_models.py`) against transformers'
+A tiny random NLLB model (`devtools/nllb_models.py`) against transformers'
 `M2M100ForConditionalGeneration.generate(forced_bos_token_id=<target language>)` in float32:
 greedy and beam search (widths 2 to 5, length penalties, every early_stopping) give its
 token ids exactly, with requests of different widths, languages and lengths side by side; a
@@ -29,8 +29,8 @@ MAX_NEW = 10
 @pytest.fixture(scope="module")
 def nllb(tmp_path_factory):
     """(an LLM on a tiny NLLB model, warmed up; the transformers model)."""
+    from devtools.nllb_models import build_nllb_folder
     from metrale_jax import LLM
-    from tests.nllb_models import build_nllb_folder
     folder = tmp_path_factory.mktemp("nllb")
     hf = build_nllb_folder(folder)
     llm = LLM(folder, max_slots=8, max_len=32, max_source_len=64, max_prefill_len=16,
@@ -114,7 +114,7 @@ def test_beam_search_equals_transformers_side_by_side(nllb):
 
 
 def _inputs(llm, text, src, tgt):
-    from metrale_jax.translation import translation_inputs
+    from metrale_jax.text.translation import translation_inputs
     return translation_inputs(llm.tokenizer, text, src, tgt)
 
 

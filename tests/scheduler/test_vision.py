@@ -1,6 +1,6 @@
 """A LLaVA model through the engine and batching loop, against transformers (float32).
 
-Tiny random `LlavaForConditionalGeneration` models (tests/llava_models.py, CLIP and SigLIP
+Tiny random `LlavaForConditionalGeneration` models (devtools/llava_models.py, CLIP and SigLIP
 towers): prompts with one and with two images, whose placeholder runs cross prompt-piece
 boundaries (max_prefill_len 16 < the prompt), give transformers' greedy tokens, and at each
 step our top-20 log-probabilities equal transformers' log-softmax of its logits within 1e-4
@@ -27,8 +27,8 @@ STEPS = 6
 @pytest.fixture(scope="module", params=["clip", "siglip"])
 def vlm(request, tmp_path_factory):
     """(an LLM on a tiny LLaVA model, warmed up; the transformers model)."""
+    from devtools.llava_models import build_llava_folder
     from metrale_jax import LLM
-    from tests.llava_models import build_llava_folder
     folder = tmp_path_factory.mktemp(f"llava-{request.param}")
     hf = build_llava_folder(folder, request.param, "llama")
     llm = LLM(folder, max_slots=4, max_len=128, max_prefill_len=16, max_prefill_batch=2,
@@ -40,7 +40,7 @@ def vlm(request, tmp_path_factory):
 
 def _prompt(llm, n_images: int, text: str, seed: int):
     """(prompt ids with each image's placeholder run, the PromptImages, pixels [N, C, H, W])."""
-    from metrale_jax.engine.images import PromptImage
+    from metrale_jax.vision.prompt import PromptImage
     v = llm.config.vision
     tok = llm.tokenizer
     ids = tok.encode("<s>user: ", add_special_tokens=False)
@@ -133,7 +133,7 @@ def _processor(folder, llm):
     cfg = json.loads((folder / "preprocessor_config.json").read_text())
     cls = {"clip": transformers.CLIPImageProcessorPil,
            "siglip": transformers.SiglipImageProcessorPil}[v.tower]
-    from tests.llava_models import CHAT_TEMPLATE
+    from devtools.llava_models import CHAT_TEMPLATE
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     return transformers.LlavaProcessor(
         image_processor=cls(**cfg), tokenizer=tok, chat_template=CHAT_TEMPLATE,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.hf_models import build_tiny_checkpoint
+from devtools.hf_models import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT.parent / "shared" / "openai-openapi.yaml"
@@ -231,8 +231,8 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory) -> Path:
     """A tiny random Qwen2 whose vocabulary has `<think>`, `</think>`, `<tool_call>` and
-    `</tool_call>` and whose template is Hermes-style (tests/hf_models.py)."""
-    from tests.hf_models import build_tool_checkpoint
+    `</tool_call>` and whose template is Hermes-style (devtools/hf_models.py)."""
+    from devtools.hf_models import build_tool_checkpoint
     return build_tool_checkpoint(tmp_path_factory.mktemp("tiny-tools"))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.families.llava import VisionConfig
 from metrale_jax.vision.prompt import expand_placeholders, split_image_parts
-from metrale_jax.vision_config import VisionConfig
 
 VISION = VisionConfig(tower="clip", hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, image_size=28, patch_size=7, text_hidden_size=64,

@@ -61,7 +61,7 @@ def test_default_model(default_gguf):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory) -> Path:
-    from tests.hf_models import build_tiny_checkpoint
+    from devtools.hf_models import build_tiny_checkpoint
     return build_tiny_checkpoint(tmp_path_factory.mktemp("catalog") / "tiny-llama")
 
 

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from devtools.hf_models import build_tiny_checkpoint
 from metrale_jax.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from metrale_jax.weights.checkpoint import load_checkpoint, resolve
 from metrale_jax.weights.orbax_store import load_orbax, save_orbax
-from tests.hf_models import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

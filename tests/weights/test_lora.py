@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from devtools.hf_models import build_hf_model, save_tiny_tokenizer
 from metrale_jax.weights.checkpoint import load_checkpoint
 from metrale_jax.weights.lora import MODULES, LoraError, load_peft_adapter
-from tests.hf_models import build_hf_model, save_tiny_tokenizer
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -124,6 +124,6 @@ def test_metrale_models_lists_an_adapter_folder(base, tmp_path):
     (info,) = list_checkpoints(tmp_path)
     assert info.format == "lora" and info.error is None
     assert info.architecture.startswith("lora r=4 of")
-    L, E, H, K, D = 3, 64, 4, 2, 16  # tests/hf_models.py's tiny shapes
+    L, E, H, K, D = 3, 64, 4, 2, 16  # devtools/hf_models.py's tiny shapes
     assert info.num_params == L * 4 * (E + H * D + E + K * D + E + K * D + H * D + E)
     assert info.dtype == "F32" and info.size_bytes > 0

@@ -59,9 +59,9 @@ def child_main(path: str) -> None:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> list[dict]:
     """Converts a tiny Qwen2 (biases included) to orbax and runs the child on it."""
+    from devtools.hf_models import build_tiny_checkpoint
     from metrale_jax.weights.checkpoint import load_checkpoint
     from metrale_jax.weights.orbax_store import save_orbax
-    from tests.hf_models import build_tiny_checkpoint
 
     hf = build_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2")
     native = save_orbax(load_checkpoint(hf), tmp_path_factory.mktemp("orbax") / "native")

@@ -16,14 +16,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from metrale_jax.errors import InvalidParameterError
-from serving.http.protocol import ChatCompletionRequest, parse
+from metrale_jax.sampling_fields import openai_names
+from serving.http.protocol import ChatCompletionRequest, api_fields, parse
 
-CHAT_PARAMS = {"stop": "stop_sequences", "thinking_budget": "thinking",
-               "enable_thinking": "thinking", "parallel_tool_calls": "tool_choice",
-               "max_completion_tokens": "max_tokens"}
+SPELLED = openai_names("anthropic")
+"""{chat field: the Messages field} of the sampling fields a Messages request carries."""
+CHAT_PARAMS = {**{chat: ours for chat, ours in SPELLED.items() if chat != ours},
+               "thinking_budget": "thinking", "enable_thinking": "thinking",
+               "parallel_tool_calls": "tool_choice", "max_completion_tokens": "max_tokens"}
 """Chat request fields and the Messages fields they came from (for errors' `param`)."""
 
 
@@ -78,32 +81,35 @@ class _Request(BaseModel):
         return parse(ChatCompletionRequest, self.chat_fields())
 
 
-class MessagesRequest(_Request):
-    """POST /v1/messages."""
+class _MessagesBody(_Request):
+    """POST /v1/messages besides its spellings of the sampling fields (`max_tokens`,
+    `stop_sequences`, `temperature`, `top_p`, `top_k`, and the extensions `seed` and
+    `ignore_eos`)."""
 
-    max_tokens: Annotated[int, Field(ge=1)]
-    stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
     metadata: dict[str, Any] | None = None
-    # extensions, as chat has them: reproducible sampling, a deadline in seconds, no EOS
-    seed: int | None = None
+    # an extension, as chat has it: a deadline in seconds
     timeout: Annotated[float, Field(gt=0)] | None = None
-    ignore_eos: bool | None = None
 
     def chat_fields(self) -> dict[str, Any]:
-        """The chat request's fields, sampling included."""
+        """The chat request's fields, sampling included (an empty `stop_sequences` is
+        left out)."""
         out = super().chat_fields()
-        out["max_tokens"] = self.max_tokens
         out["stream"] = self.stream
-        if self.stop_sequences:
-            out["stop"] = list(self.stop_sequences)
-        for key in ("temperature", "top_p", "top_k", "seed", "timeout", "ignore_eos"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+        for chat, ours in SPELLED.items():
+            value = getattr(self, ours)
+            if value is not None and value != []:
+                out[chat] = value
+        if self.timeout is not None:
+            out["timeout"] = self.timeout
         return out
+
+
+MessagesRequest = create_model(
+    "MessagesRequest", __base__=_MessagesBody, __module__=__name__,
+    **api_fields("anthropic"),
+    __doc__="POST /v1/messages: `_MessagesBody`'s fields and the Messages spellings of the "
+            "sampling fields (from `metrale_jax.sampling_fields.SPELLINGS`).")
 
 
 class CountTokensRequest(_Request):

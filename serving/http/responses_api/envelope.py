@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from metrale_jax.sampling_fields import FIELD
 from serving.http.responses_api.protocol import CreateResponseRequest
 
 
@@ -44,9 +45,11 @@ class Envelope:
             else req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning, "store": req.store,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "temperature": FIELD["temperature"].default if req.temperature is None
+            else req.temperature,
             "text": text, "tool_choice": req.tool_choice or "auto", "tools": tools,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "top_p": FIELD["top_p"].default if req.top_p is None else req.top_p,
+            "truncation": "disabled",
             "metadata": req.metadata or {},
         }
         if usage is not None:  # not nullable in the spec: absent until known

@@ -12,16 +12,25 @@ is a 400 naming the parameter.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import Field
+from pydantic import create_model
 
 from metrale_jax.errors import InvalidParameterError
-from serving.http.protocol import ChatCompletionRequest, _Body, _Sampling, parse
+from metrale_jax.sampling_fields import openai_names
+from serving.http.protocol import (
+    ChatCompletionRequest,
+    RequestBody,
+    SamplingRequest,
+    api_fields,
+    parse,
+)
 
-PASSTHROUGH = (set(_Sampling.model_fields) - {
-    "model", "temperature", "top_p", "n", "stream", "stream_options", "max_tokens", "user",
-    "num_beams", "use_beam_search", "length_penalty", "early_stopping"}) | {
+SPELLED = openai_names("responses")
+"""{chat field: the Responses field} of the sampling fields the Responses API names itself."""
+PASSTHROUGH = (set(SamplingRequest.model_fields) - set(SPELLED) - {
+    "model", "n", "stream", "stream_options", "user", "num_beams", "use_beam_search",
+    "length_penalty", "early_stopping"}) | {
     "chat_template_kwargs", "enable_thinking", "thinking_budget", "suppress_tool_call"}
 """Chat request fields a Responses request may carry as they are (sampling extensions)."""
 
@@ -30,15 +39,12 @@ BUILTIN_TOOLS = ("file_search", "web_search", "web_search_preview", "computer_us
                  "shell", "apply_patch", "custom", "namespace", "tool_search")
 
 
-class CreateResponseRequest(_Body):
-    """The body of POST /v1/responses (the fields this server reads; others are ignored)."""
+class _ResponseBody(RequestBody):
+    """The fields of POST /v1/responses besides its spellings of the sampling fields."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -162,8 +168,10 @@ class CreateResponseRequest(_Body):
         body: dict[str, Any] = {
             k: v for k, v in (self.model_extra or {}).items() if k in PASSTHROUGH}
         body.update(messages=messages, model=self.model, stream=self.stream)
-        for key, value in (("temperature", self.temperature), ("top_p", self.top_p),
-                           ("max_tokens", self.max_output_tokens), ("user", self.user),
+        for chat, ours in SPELLED.items():
+            if getattr(self, ours) is not None:
+                body[chat] = getattr(self, ours)
+        for key, value in (("user", self.user),
                            ("tools", self.chat_tools()), ("tool_choice", self.chat_tool_choice()),
                            ("parallel_tool_calls", self.parallel_tool_calls),
                            ("response_format", self.response_format()),
@@ -171,6 +179,14 @@ class CreateResponseRequest(_Body):
             if value is not None:
                 body[key] = value
         return parse(ChatCompletionRequest, body)
+
+
+CreateResponseRequest = create_model(
+    "CreateResponseRequest", __base__=_ResponseBody, __module__=__name__,
+    **api_fields("responses"),
+    __doc__="The body of POST /v1/responses (the fields this server reads; others are "
+            "ignored): `_ResponseBody`'s and the Responses spellings of the sampling fields "
+            "(`max_output_tokens`, `temperature`, `top_p`).")
 
 
 def items_to_messages(items: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
@@ -258,8 +274,8 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
 
 
 _CHAT_PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
-                ("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
-                ("enable_thinking", "reasoning"))
+                *((chat, ours) for chat, ours in SPELLED.items() if chat != ours),
+                ("response_format", "text.format"), ("enable_thinking", "reasoning"))
 
 
 def responses_param(param: str | None) -> str | None:

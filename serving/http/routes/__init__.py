@@ -28,3 +28,6 @@ def register_all(app: Quart, state: ServerState) -> None:
     """Adds every group's routes to `app`."""
     for group in GROUPS:
         group.register(app, state)
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax", "serving.http")

@@ -25,24 +25,24 @@ from quart import Quart, Response, request
 
 from metrale_jax.errors import InvalidParameterError
 from serving.http.bodies import json_response, read_body
-from serving.http.protocol import LoraScale, _Body, lora_weights, parse
+from serving.http.protocol import LoraScale, RequestBody, lora_weights, parse
 from serving.http.state import ServerState
 
 
-class LoadLoraRequest(_Body):
+class LoadLoraRequest(RequestBody):
     """The body of POST /v1/load_lora_adapter."""
 
     lora_name: Annotated[str, Field(min_length=1)]
     lora_path: Annotated[str, Field(min_length=1)]
 
 
-class UnloadLoraRequest(_Body):
+class UnloadLoraRequest(RequestBody):
     """The body of POST /v1/unload_lora_adapter."""
 
     lora_name: Annotated[str, Field(min_length=1)]
 
 
-class LoraScales(_Body):
+class LoraScales(RequestBody):
     """The body of POST /lora-adapters (a JSON list, read into `lora`)."""
 
     lora: list[LoraScale]

@@ -10,3 +10,6 @@
 serving/http/chat_output.py puts them together with the reasoning parsers
 (serving/http/reasoning.py). Imports only metrale_jax (errors) and each other.
 """
+
+# The project packages this package's modules may import besides its own (tests/test_imports.py).
+MAY_IMPORT = ("metrale_jax.errors",)

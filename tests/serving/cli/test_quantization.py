@@ -65,8 +65,8 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("mode, dtype", [("int8", np.int8), ("int4", np.uint8)])
 def test_convert_stores_quantized_weights_and_loads_them_without_the_flag(tmp_path, mode,
                                                                         dtype):
+    from devtools.hf_models import build_tiny_checkpoint
     from metrale_jax.weights.checkpoint import load_checkpoint
-    from tests.hf_models import build_tiny_checkpoint
     tiny = build_tiny_checkpoint(tmp_path / "hf")
     assert main(["convert", str(tiny), str(tmp_path / mode), "--quantization", mode]) == 0
     stored = load_checkpoint(tmp_path / mode)

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from devtools.hf_models import build_tiny_checkpoint
 from tests.conftest import REPO, xla_flags
-from tests.hf_models import build_tiny_checkpoint
 from tests.serving.conftest import run_main
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf_models import build_hf_model, save_tiny_tokenizer
+from devtools.hf_models import build_hf_model, save_tiny_tokenizer
 from tests.serving.conftest import get_json, post, wait_healthy
 from tests.weights.test_lora import ATTN, MLP, make_adapter
 

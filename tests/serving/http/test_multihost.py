@@ -42,7 +42,7 @@ def _build_model(folder: Path) -> Path:
     import torch
     import transformers
 
-    from tests.hf_models import COMMON, save_tiny_tokenizer
+    from devtools.hf_models import COMMON, save_tiny_tokenizer
     config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 8,
                                          "num_key_value_heads": 4, "head_dim": 16,
                                          "num_hidden_layers": 2})

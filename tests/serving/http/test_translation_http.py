@@ -1,4 +1,4 @@
-"""A translation model (a tiny random NLLB, tests/nllb_models.py) behind the OpenAI API.
+"""A translation model (a tiny random NLLB, devtools/nllb_models.py) behind the OpenAI API.
 
 One real server on a loopback port, started with default languages (eng_Latn -> fra_Latn):
 chat translates the last user message and completions the prompt(s), with the official
@@ -34,9 +34,9 @@ FOX = "Le renard brun rapide saute par-dessus le chien paresseux."
 def translator(tmp_path_factory):
     """(the server, the transformers model) on one tiny NLLB folder; the engine shapes are
     tests/scheduler/test_translation.py's (their compiled programs are shared)."""
+    from devtools.nllb_models import build_nllb_folder
     from serving.http.server import ServerThread
     from serving.http.settings import ServerSettings
-    from tests.nllb_models import build_nllb_folder
     folder = tmp_path_factory.mktemp("nllb-http")
     hf = build_nllb_folder(folder)
     settings = ServerSettings(

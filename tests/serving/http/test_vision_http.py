@@ -1,4 +1,4 @@
-"""A vision-language model (a tiny random LLaVA with a CLIP tower, tests/llava_models.py)
+"""A vision-language model (a tiny random LLaVA with a CLIP tower, devtools/llava_models.py)
 behind the OpenAI API.
 
 One real server on a loopback port, started with small image limits and 127.0.0.1 among its
@@ -147,7 +147,7 @@ def _start(folder, **overrides):
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     """(the server, the transformers model, the model folder)."""
-    from tests.llava_models import build_llava_folder
+    from devtools.llava_models import build_llava_folder
     folder = tmp_path_factory.mktemp("llava-http")
     hf = build_llava_folder(folder, "clip")
     srv = _start(folder)
@@ -170,7 +170,7 @@ def client(url):
 def image_id(vlm) -> int:
     import transformers
 
-    from tests.llava_models import IMAGE_TOKEN
+    from devtools.llava_models import IMAGE_TOKEN
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(vlm[2])
     return tok.convert_tokens_to_ids(IMAGE_TOKEN)
 
@@ -182,7 +182,7 @@ def expected_ids(vlm, image_id):
     each `<image>` repeated 16 times (as transformers' `LlavaProcessor` does)."""
     import transformers
 
-    from tests.llava_models import CHAT_TEMPLATE
+    from devtools.llava_models import CHAT_TEMPLATE
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(vlm[2])
     template = jinja2.Environment().from_string(CHAT_TEMPLATE)
 
@@ -203,7 +203,7 @@ def _reference(hf, ids: list[int], pngs: list[bytes]) -> tuple[list[int], np.nda
     transformers' CLIP image processor (its PIL backend)."""
     from transformers import CLIPImageProcessorPil
 
-    from tests.llava_models import TOWERS
+    from devtools.llava_models import TOWERS
     cfg = {k: v for k, v in TOWERS["clip"]["processor"].items() if k != "image_processor_type"}
     pixels = CLIPImageProcessorPil(**cfg)(
         images=[Image.open(io.BytesIO(p)) for p in pngs], return_tensors="pt")["pixel_values"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.hf_models import COMMON, save_tiny_tokenizer
+from devtools.hf_models import COMMON, save_tiny_tokenizer
 
 IMAGE_TOKEN = "<image>"
 CHAT_TEMPLATE = (

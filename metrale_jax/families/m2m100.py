@@ -1,7 +1,10 @@
-"""The architecture fields of an M2M100 / NLLB-200 encoder-decoder model.
+"""M2M100 / NLLB-200: an encoder-decoder translation model (`M2M100Config`, its fields).
 
-Kept apart from `models.m2m100` (the Flax modules) so `metrale_jax.config` can hold one
-(`ModelConfig.encoder_decoder`) without importing JAX or the model code.
+Its encoder runs once per source; its decoder runs in the engine's paged steps, with
+cross-attention to the encoder's output. `ModelConfig.for_m2m100` describes the decoder
+(`decoder_fields`) and holds the whole `M2M100Config` as `encoder_decoder`. The Flax modules
+are `models.m2m100`; the reader `weights.m2m100_reader`; its tokenizer (FLORES-200 language
+codes) `text.nllb`. Kept free of JAX so `metrale_jax.config` can hold one.
 """
 
 from __future__ import annotations
@@ -11,9 +14,17 @@ import math
 from typing import Any
 
 from metrale_jax.errors import CheckpointError, UnsupportedModelError
+from metrale_jax.families.family import Family
 
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish")
-MODEL_TYPES: tuple[str, ...] = ("m2m_100",)
+
+FAMILY = Family(
+    name="m2m_100",
+    summary="M2M100 / NLLB-200: encoder-decoder translation",
+    hf_model_types=("m2m_100",),
+    kind="encoder_decoder",
+    cache=("full", "cross"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +88,10 @@ class M2M100Config:
         architecture) and `CheckpointError` for a missing or malformed field.
         """
         model_type = config.get("model_type", "m2m_100")
-        if model_type not in MODEL_TYPES:
+        if model_type not in FAMILY.hf_model_types:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not an M2M100/NLLB model (expected "
-                f"{', '.join(MODEL_TYPES)})")
+                f"{', '.join(FAMILY.hf_model_types)})")
         if config.get("normalize_before") is False:
             raise UnsupportedModelError("post-norm M2M100 layers (normalize_before=false) "
                                         "are not supported")
@@ -121,3 +132,21 @@ class M2M100Config:
     def from_dict(cls, d: dict[str, Any]) -> M2M100Config:
         """Reads what `to_dict` wrote."""
         return cls(**d)
+
+
+def decoder_fields(m2m: M2M100Config) -> dict[str, Any]:
+    """`ModelConfig` fields of an M2M100 model (`ModelConfig.for_m2m100`): architecture
+    "m2m_100", the fields describing the decoder (L decoder layers, H heads, K = H, D, the
+    decoder FFN as F), and `m2m` itself as `encoder_decoder`."""
+    H = m2m.decoder_attention_heads
+    return dict(
+        architecture=FAMILY.name, vocab_size=m2m.vocab_size, hidden_size=m2m.d_model,
+        intermediate_size=m2m.decoder_ffn_dim, num_layers=m2m.decoder_layers,
+        num_heads=H, num_kv_heads=H, head_dim=m2m.decoder_head_dim,
+        rms_norm_eps=m2m.layer_norm_eps,
+        max_position_embeddings=m2m.max_position_embeddings,
+        tie_word_embeddings=m2m.tie_word_embeddings, bos_token_id=m2m.bos_token_id,
+        eos_token_ids=(m2m.eos_token_id,), encoder_decoder=m2m)
+
+
+__all__ = ["ACTIVATIONS", "FAMILY", "M2M100Config", "decoder_fields"]

@@ -1,15 +1,44 @@
-"""The vision half of a vision-language model: its tower, projector and image tokens.
+"""LLaVA: a vision tower (CLIP or SigLIP) and a projector in front of a decoder family's text
+model (`VisionConfig`, its config reading and its tensor names).
 
-Kept apart from `models.vision` (the Flax modules) so `metrale_jax.config` can hold one
-(`ModelConfig.vision`) without importing JAX or the model code.
+transformers' `LlavaForConditionalGeneration`: `config.json` with `model_type` "llava", a
+`text_config` (read by its own decoder family: `text_config`) and a `vision_config`
+(`VisionConfig.from_hf_llava`). The `ModelConfig` is the text model's with `vision` set; the
+Flax modules are `models.vision`, the reader `weights.llava_reader`. Kept free of JAX so
+`metrale_jax.config` can hold one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Literal
 
 from metrale_jax.errors import CheckpointError, UnsupportedModelError
+from metrale_jax.families.family import Family
+
+FAMILY = Family(
+    name="llava",
+    summary="LLaVA: a CLIP / SigLIP tower and projector before a decoder family",
+    hf_model_types=("llava",),
+    kind="vision_language",
+    cache=("full", "sliding"),
+)
+
+TEXT_MODEL_TYPE = "llama"
+"""The text model's family when `text_config` names none (the original LLaVA 1.5)."""
+
+# Tensor names: the text model's prefixes -> the decoder-only names; the vision tower's and
+# the projector's prefixes (the longest first). Checkpoints spell them with or without a
+# leading `model.`, the text model as the hub's `language_model.model.*` or as
+# `model.language_model.*`.
+TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "model."), ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."))
+VISION_PREFIXES: tuple[str, ...] = ("model.vision_tower.vision_model.",
+                                    "vision_tower.vision_model.", "model.vision_tower.",
+                                    "vision_tower.")
+PROJECTOR_PREFIXES: tuple[str, ...] = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 TOWERS: dict[str, str] = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 """transformers' vision `model_type` -> our tower kind."""
@@ -150,4 +179,29 @@ class VisionConfig:
         return cls(**d)
 
 
-__all__ = ["ACTIVATIONS", "TOWERS", "VisionConfig"]
+def text_config(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The text model's `config.json` fields inside a LLaVA config (its `text_config`, with
+    the family defaulting to Llama and the outer `tie_word_embeddings` carried in)."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path}: a LLaVA config needs a text_config")
+    text = dict(text)
+    text.setdefault("model_type", TEXT_MODEL_TYPE)
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text
+
+
+def vision_config(config: dict[str, Any], text_hidden_size: int, text_vocab_size: int,
+                  path: Path) -> VisionConfig:
+    """The `VisionConfig` of a LLaVA `config.json` whose text model has E =
+    `text_hidden_size` and V = `text_vocab_size`; its image token must be a text token."""
+    vision = VisionConfig.from_hf_llava(config, text_hidden_size)
+    if not 0 <= vision.image_token_id < text_vocab_size:
+        raise CheckpointError(f"{path}: image_token_index {vision.image_token_id} is outside "
+                              f"the vocabulary ({text_vocab_size})")
+    return vision
+
+
+__all__ = ["ACTIVATIONS", "FAMILY", "PROJECTOR_PREFIXES", "TEXT_MODEL_TYPE", "TEXT_PREFIXES",
+           "TOWERS", "VISION_PREFIXES", "VisionConfig", "text_config", "vision_config"]
