@@ -25,8 +25,8 @@ import numpy as np
 
 from bench.engine_common import DEFAULT_SHAPE, random_model, timed_steps
 from metrale_jax.engine import Engine, EngineConfig, SlotSettings
-from metrale_jax.models.lora import MODULES
-from metrale_jax.weights.lora import LoraAdapter, module_shape
+from metrale_jax.models.lora import MODULES, module_shape
+from metrale_jax.weights.lora import LoraAdapter
 
 
 def random_adapter(seed: int, rank: int) -> LoraAdapter:
@@ -46,10 +46,10 @@ def rate(engine: Engine, streams: int, steps: int, rows: np.ndarray | None) -> f
     state = engine.init_decode_state()
     state, _ = engine.add(state, [(s, [1] * 16, SlotSettings()) for s in range(streams)])
     if rows is not None:  # each row's weight 1 on its slot (-1: none)
-        engine.lora_mix[:] = 0
+        engine.lora_slots.mix[:] = 0
         for b, slot in enumerate(rows):
             if slot >= 0:
-                engine.lora_mix[b, slot] = 1.0
+                engine.lora_slots.mix[b, slot] = 1.0
     _, seconds = timed_steps(engine, state, np.arange(engine.config.max_slots) < streams,
                              steps)
     return streams * steps / seconds

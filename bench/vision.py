@@ -101,7 +101,8 @@ def main() -> None:
 
         def run():
             # The loop's state is idle here (no request in flight): the program runs on it.
-            state["s"] = engine._vision_exe(n)(engine.vision_params, state["s"], pixels, dst)
+            vision = engine.image_encoder
+            state["s"] = vision.program(n)(vision.params, state["s"], pixels, dst)
             jax.block_until_ready(state["s"].images)
         return run
 

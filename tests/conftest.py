@@ -61,7 +61,7 @@ os.environ["METRALE_JAX_CACHE"] = str(CACHE)
 os.environ.setdefault("METRALE_KERNEL_CACHE", str(CACHE.parent / "kernels"))
 
 # (imports jax: after XLA_FLAGS and OMP_NUM_THREADS are set)
-from metrale_jax.engine.engine import enable_compilation_cache  # noqa: E402
+from metrale_jax.engine.programs import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(str(CACHE))  # atomic writes: workers compile the same programs
 

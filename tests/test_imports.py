@@ -218,15 +218,6 @@ def test_library_loads_no_web_server():
 # modules may import besides their own package's (a name allows the module or package and
 # everything under it). A module answers to its nearest package.
 
-# Violations that other parts of issue 37 remove; the lead empties this set once they merged.
-# The test fails on a violation not listed here and on a listed one that no longer occurs.
-KNOWN_VIOLATIONS: set[str] = {
-    # engine helper: LoRA slot shapes without weights.lora; speculative.py without steps' privates
-    "metrale_jax.engine.engine -> metrale_jax.weights.lora",
-    "metrale_jax.engine.speculative takes metrale_jax.engine.steps._pad_columns",
-    "metrale_jax.engine.speculative takes metrale_jax.engine.steps._slot_of",
-}
-
 
 def may_import(package_path: Path) -> tuple[str, ...] | None:
     """The `MAY_IMPORT` tuple of a package's `__init__.py`, read with ast (None: not declared)."""
@@ -328,13 +319,11 @@ def test_every_module_imports_only_what_its_package_declares():
     """Every import of every module of metrale_jax, serving, bench and devtools, those inside
     functions included, names its own package or one its package's `MAY_IMPORT` declares
     (bench and the rest never import tests), and no module takes another module's private
-    (`_x`) names. `KNOWN_VIOLATIONS` may only shrink: a listed violation that is gone fails
-    too, so that it is taken off the list."""
+    (`_x`) names."""
     modules = module_files()
     rules = package_rules()
     found = set().union(*(rule_violations(n, p, modules, rules) for n, p in modules.items()))
-    assert sorted(found - KNOWN_VIOLATIONS) == [], "new violations"
-    assert sorted(KNOWN_VIOLATIONS - found) == [], "fixed: take them off KNOWN_VIOLATIONS"
+    assert sorted(found) == []
 
 
 def test_rule_checker_finds_violations(tmp_path):

@@ -19,6 +19,11 @@ def words_for(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def all_allowed(rows: int, vocab_size: int) -> np.ndarray:
+    """A `[rows, ceil(V/32)]` uint32 bitmask that allows every token."""
+    return np.full((rows, words_for(vocab_size)), 0xFFFFFFFF, np.uint32)
+
+
 def pack(ids: Iterable[int], vocab_size: int) -> np.ndarray:
     """A `[words_for(V)]` uint32 bitmask with the bits of `ids` set (ids outside [0, V) are
     ignored)."""

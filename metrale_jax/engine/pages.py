@@ -20,6 +20,8 @@ the same tables (multi-host).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from metrale_jax.engine.prefix_cache import PrefixCache
@@ -110,6 +112,26 @@ class PageTable:
             self.refcount[page] += 1
             self.table[slot, j] = page
         self.owned[slot] = have + len(pages)
+
+    def reuse_prefix(self, slot: int, keys: Sequence[str], budget: int, min_tokens: int) -> int:
+        """Row `slot` shares the longest run of cached pages with `keys` (the content keys of
+        its next full pages, from its first page not yet held; the row holds full pages
+        only). At most `budget` of them may be idle pages (each one taken from the pool).
+        A prefix shorter than `min_tokens` in all is not shared. Returns the pages attached
+        (0 without a prefix cache)."""
+        if self.cache is None or not keys:
+            return 0
+        hits = self.cache.lookup(keys)
+        for i, page in enumerate(hits):
+            if self.refcount[page] == 0:
+                if budget <= 0:
+                    hits = hits[:i]
+                    break
+                budget -= 1
+        if (int(self.owned[slot]) + len(hits)) * self.page_size < min_tokens:
+            return 0
+        self.attach(slot, hits)
+        return len(hits)
 
     def register(self, slot: int, first: int, keys: list[str]) -> int:
         """Caches row `slot`'s full pages `first, first + 1, ...` under `keys` (a page whose

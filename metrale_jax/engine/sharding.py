@@ -9,7 +9,8 @@ arrays in `engine/state.py` (`SLOT_AXES`). `RULES` maps each name to a mesh axis
 - tensor parallelism on "model": attention heads and kv heads, the MLP's hidden axis and the
   vocabulary (embedding rows and LM-head columns); each device holds 1/model of those params
   and XLA inserts the all-reduces / all-gathers;
-- decode slots (and prefill rows) on "data": the KV cache is sharded over slots and kv heads.
+- decode slots on "data": the per-slot arrays (positions, token histories, sampling state)
+  are sharded over slots; the KV page pools over kv heads only (every row shares the pages).
 
 An axis whose size does not divide by its mesh axis is replicated instead (see
 `partition_spec`). For kv heads this is the rule the issue asks for: with K kv heads fewer than
@@ -43,6 +44,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.models.layers import AxesTable, LogicalAxes
 from metrale_jax.models.quant import SCALE_SUFFIX
+from metrale_jax.models.ragged import PAGE_AXES
 from metrale_jax.models.transformer import TRANSFORMER_AXES
 from metrale_jax.models.unrolled import LAYER_PARAMS_AXES, LayerParams
 
@@ -312,7 +314,6 @@ def page_pool_sharding(cfg: ModelConfig, num_pages: int, page_size: int,
     """The sharding of one layer's page pool `[N, ps, 2K, D]`: the interleaved key/value heads
     on "model" when K divides by it (each device holds whole key/value pairs), else
     replicated; pages are shared by every row, so they are not split over "data"."""
-    from metrale_jax.models.ragged import PAGE_AXES
     K, D = cfg.num_kv_heads, cfg.head_dim
     spec = partition_spec(PAGE_AXES, mesh, (num_pages, page_size, K, D))
     return NamedSharding(mesh, spec)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from metrale_jax.engine.sampling import sample
 from metrale_jax.engine.sampling_state import TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
-from metrale_jax.engine.steps import SampleConfig, _pad_columns, _slot_of, head
+from metrale_jax.engine.steps import SampleConfig, head, pad_columns, slot_of
 from metrale_jax.models.paged_attention import decode_kernel_applies, use_tpu_kernel
 from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
 
@@ -82,7 +82,7 @@ def verify_step(graph, sc: SampleConfig, shape: VerifyShape, params, state: Deco
     real_c = flat_real[order]
     rows_c = jnp.where(real_c, row_ids.reshape(-1)[order], -1)
     safe_rows = jnp.clip(rows_c, 0, B - 1)
-    slots = _slot_of(page_table[safe_rows], pos_c, real_c, page_size)
+    slots = slot_of(page_table[safe_rows], pos_c, real_c, page_size)
     compute = params.outer["final_norm"]["weight"][...].dtype  # the queries' dtype
     if decode_kernel_applies(compute, state.pages[0].dtype):
         # Where decode attention is the CPU kernel, each verify token is a decode row of its
@@ -150,7 +150,7 @@ def verify_step(graph, sc: SampleConfig, shape: VerifyShape, params, state: Deco
     out = StepOutput(y.T, res.logprobs.reshape(n, K1).T,
                      res.top_ids.reshape(n, K1, N).transpose(1, 0, 2),
                      res.top_logprobs.reshape(n, K1, N).transpose(1, 0, 2))
-    return new, _pad_columns(out, B), jnp.pad(emitted, (0, B - n))
+    return new, pad_columns(out, B), jnp.pad(emitted, (0, B - n))
 
 
 __all__ = ["VerifyShape", "verify_step"]

@@ -149,9 +149,11 @@ def head(graph, params: LayerParams, x: jax.Array) -> jax.Array:
     return decoder_head(graph, params, x)
 
 
-def _slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array, page_size: int):
-    """Flat pool slots of `positions` through page-table rows `table` ([..., PPS]); where not
-    `ok`, a slot of the null page."""
+def slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array,
+            page_size: int) -> jax.Array:
+    """Flat pool slots `[...] int32` (page * page_size + offset) of `positions` `[...] int32`
+    through page-table rows `table` `[..., PPS] int32`; where not `ok` `[...] bool`, a slot
+    of the null page."""
     pps = table.shape[-1]
     page = jnp.take_along_axis(table, jnp.clip(positions // page_size, 0, pps - 1)[..., None],
                                axis=-1)[..., 0]
@@ -186,13 +188,13 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         """The model over this step's tokens -> (hidden [n + C, E], pages)."""
         ok = live & (dec_pos < cap)
         dec_lens = jnp.where(live, jnp.minimum(dec_pos + 1, cap), 0)
-        slots = _slot_of(dec_table, dec_pos, ok, page_size)
+        slots = slot_of(dec_table, dec_pos, ok, page_size)
         tokens, positions = dec_tokens, dec_pos
         token_mix = lora_mix[:n] if lora is not None else None
         if C:
             real = chunk.rows >= 0
             rows = jnp.clip(chunk.rows, 0, B - 1)
-            chunk_slots = _slot_of(page_table[rows], chunk.positions, real, page_size)
+            chunk_slots = slot_of(page_table[rows], chunk.positions, real, page_size)
             slots = jnp.concatenate([slots, chunk_slots])
             tokens = jnp.concatenate([dec_tokens, chunk.tokens])
             positions = jnp.concatenate([dec_pos, chunk.positions])
@@ -258,7 +260,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         new = DecodeState(pages, state.positions.at[:n].set(positions),
                           state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
                           state.sampling, history, state.cross, state.images)
-        return new, _pad_columns(out, B + R)
+        return new, pad_columns(out, B + R)
 
     # A step with a chunk: one decode step of rows 0 .. n-1 plus the chunk's tokens.
     carry, x = decode_once(carry)
@@ -304,12 +306,12 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
     out = _as_output(res)  # [1, n + R]: decode rows, then the finished prompts
     dec = jax.tree.map(lambda a: a[:, :n], out)
     fin = jax.tree.map(lambda a: a[:, n:], out)
-    dec = _pad_columns(dec, B)
+    dec = pad_columns(dec, B)
     return new, jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), dec, fin)
 
 
-def _pad_columns(out: StepOutput, columns: int) -> StepOutput:
-    """`out` ([k, c, ...]) padded with zeros to `columns` columns."""
+def pad_columns(out: StepOutput, columns: int) -> StepOutput:
+    """`out` (`[k, c, ...]` per field) padded with zeros to `[k, columns, ...]`."""
     c = out.tokens.shape[1]
     if c == columns:
         return out

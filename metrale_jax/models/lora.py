@@ -18,7 +18,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from metrale_jax.config import ModelConfig
+
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers an adapter may target, in Hugging Face's names."""
+
+
+def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
+    """(in, out) features of `module` in one decoder layer of `cfg`."""
+    E, H, K, D, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     cfg.intermediate_size)
+    return {"q_proj": (E, H * D), "k_proj": (E, K * D), "v_proj": (E, K * D),
+            "o_proj": (H * D, E), "gate_proj": (E, F), "up_proj": (E, F),
+            "down_proj": (F, E)}[module]
 
 
 def lora_delta(weights: dict[str, tuple[jax.Array, jax.Array]], mix: jax.Array):

@@ -27,9 +27,7 @@ import numpy as np
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import InvalidParameterError
-
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The linear layers an adapter may target, in Hugging Face's names."""
+from metrale_jax.models.lora import MODULES, module_shape
 
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
@@ -40,15 +38,6 @@ class LoraError(InvalidParameterError):
 
     def __init__(self, message: str, param: str | None = "lora_path"):
         super().__init__(message, param=param)
-
-
-def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
-    """(in, out) features of `module` in one decoder layer of `cfg`."""
-    E, H, K, D, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size)
-    return {"q_proj": (E, H * D), "k_proj": (E, K * D), "v_proj": (E, K * D),
-            "o_proj": (H * D, E), "gate_proj": (E, F), "up_proj": (E, F),
-            "down_proj": (F, E)}[module]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,7 @@ def test_verify_matches_decode_with_an_int8_cache(int8_engine):
         assert tokens == reference, settings.temperature
         assert accepted >= 10
     if cpu_kernel.available():
-        hlo = int8_engine._verify_exe(int8_engine.config.max_slots).as_text()
+        hlo = int8_engine.step_programs.verify(int8_engine.config.max_slots).as_text()
         assert cpu_kernel.TARGET_INT8 in hlo
 
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import sharding
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.models.ragged import PAGE_AXES
 from metrale_jax.models.transformer import Transformer, abstract_model
 from metrale_jax.models.unrolled import split_layers
 
@@ -152,11 +153,21 @@ def test_make_mesh_checks_the_device_count():
 
 
 def test_cache_shardings():
+    """The production caches: each layer's page pool `[N, ps, 2K, D]` and the per-slot arrays."""
     mesh = sharding.make_mesh()
-    pool = sharding.page_pool_sharding(SMOLLM, 16, 8, mesh)
+    pool = sharding.page_pool_sharding(SMOLLM, 64, 16, mesh)
     assert pool.spec == P(None, None, None, None)  # one device: nothing to shard
-    big = {"data": 2, "model": 4}
-    # SmolLM2's 3 kv heads replicate on model=4; slots shard over data
-    assert sharding.partition_spec(("layers", "slots", "kv_heads", "seq", "head_dim"), big,
+    # kv pairs on model where SmolLM2's 3 kv heads divide it (model=3), else replicated;
+    # pages are shared by every row, so never split over data
+    pool_shape = (64, 16, SMOLLM.num_kv_heads, SMOLLM.head_dim)
+    assert sharding.partition_spec(PAGE_AXES, {"data": 2, "model": 3},
+                                   pool_shape) == P(None, None, "model", None)
+    assert sharding.partition_spec(PAGE_AXES, {"data": 2, "model": 4},
+                                   pool_shape) == P(None, None, None, None)
+    # slots shard over data; 3 kv heads replicate on model=4
+    assert sharding.partition_spec(("slots", None), {"data": 2, "model": 4},
+                                   (8, 1)) == P("data", None)
+    assert sharding.partition_spec(("layers", "slots", "kv_heads", "seq", "head_dim"),
+                                   {"data": 2, "model": 4},
                                    (30, 8, 3, 64, 64)) == P(None, "data", None, None, None)
     assert sharding.slot_sharding(8, mesh, trailing=1).spec == P(None, None)

@@ -50,7 +50,7 @@ def _run(folder: str, mesh: tuple[int, int], cache_dir: str) -> dict:
             handles.append(llm.scheduler.submit(GenerationRequest.make(ids, params,
                                                                        images=images)))
         engine = llm.scheduler.engine
-        leaf = engine.vision_params["layers"]["attn"]["q_proj"][...]
+        leaf = engine.image_encoder.params["layers"]["attn"]["q_proj"][...]
         return dict(mesh=list(engine.mesh.shape.values()),
                     tokens=[list(collect(h).token_ids) for h in handles],
                     pool_replicated=bool(engine.shardings.state.images.is_fully_replicated),

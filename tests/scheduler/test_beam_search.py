@@ -89,7 +89,7 @@ def test_beams_beside_other_requests_give_their_answer_alone_and_compile_nothing
     # Widths and settings are data: every step program run is one of the grid that warmup
     # compiles (this engine compiles lazily), and the same shapes again compile nothing.
     engine = sched.engine
-    steps = {key[1:] for key in engine._compiled if key[0] == "step"}
+    steps = {key[1:] for key in engine.programs.compiled_keys() if key[0] == "step"}
     assert steps <= set(engine.program_grid()), steps - set(engine.program_grid())
     compiles = engine.compile_count
     llm.generate(prompts, mixed)
