@@ -9,24 +9,19 @@ self-attention over a padding mask, causal decoder self-attention, decoder cross
 over the encoder output, and a ReLU (or GELU) feed-forward block.
 
 Dimension letters: `V` vocab, `E` d_model, `F` ffn dim, `H` heads, `D` head dim (E // H),
-`B` batch, `S` source length, `T` decoder tokens of this step, `P` decoder cache length,
-`L` layers. Parameters use the [in, out] layout (`q_proj: [E, H, D]`, `o_proj: [H, D, E]`);
-each stack's layers are stacked `[L, ...]` and run with `jax.lax.scan`.
+`B` batch, `S` source length, `T` tokens, `L` layers. Parameters use the [in, out] layout
+(`q_proj: [E, H, D]`, `o_proj: [H, D, E]`); each stack's layers are stacked `[L, ...]`.
 
 Compute convention (as `models/layers.py`): activations in the params dtype; layer norms,
 softmax and logits in float32.
 
-The pieces an engine needs, all pure functions of the module's state:
-- `encode(input_ids, attention_mask) -> encoder_out [B, S, E]`, once per request;
-- `cross_kv(encoder_out) -> CrossKV` (keys/values of every decoder layer's cross-attention,
-  `[L, B, S, H, D]`), once per request;
-- `decode(decoder_input_ids, positions, cross, encoder_mask, self_kv_cache)` -> logits and the
-  self-attention cache, for a whole teacher-forced sequence or step by step.
+The module holds the params and the layers' building blocks; the engine runs it through
+`models/seq2seq_ragged.py` (the encoder once per request, `encode_sources`; the decoder in the
+ragged paged steps, `ragged_layers`), which reads these params split per decoder layer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -37,61 +32,6 @@ from flax import nnx
 
 from metrale_jax.families.m2m100 import M2M100Config
 from metrale_jax.models.layers import AxesTable, random_param, stacked_axes, stacked_modules
-
-# ---- pytrees the engine carries ------------------------------------------------------------
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class CrossKV:
-    """Cross-attention keys and values of every decoder layer, computed once per source.
-
-    k, v: `[L, B, S, H, D]` (`k[i]`, `v[i]`: decoder layer i's `[B, S, H, D]`).
-    """
-
-    k: jax.Array
-    v: jax.Array
-
-    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-        """Decoder layer `i`'s `(k [B, S, H, D], v [B, S, H, D])`."""
-        return self.k[i], self.v[i]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecoderCache:
-    """The decoder's self-attention keys and values: k, v `[L, B, P, H, D]`.
-
-    Entry `p` of row `b` holds the key/value of that row's decoder token at position `p`;
-    a row whose next token is at position `q` has `0 .. q-1` valid.
-    """
-
-    k: jax.Array
-    v: jax.Array
-
-    @classmethod
-    def zeros(cls, cfg: M2M100Config, batch: int, length: int,
-              dtype: Any = jnp.float32) -> DecoderCache:
-        """An empty cache for `batch` rows of up to `length` decoder tokens."""
-        shape = (cfg.decoder_layers, batch, length, cfg.decoder_attention_heads,
-                 cfg.decoder_head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-    @property
-    def length(self) -> int:
-        """P, the number of positions per row."""
-        return self.k.shape[2]
-
-    def write(self, new_k: jax.Array, new_v: jax.Array, positions: jax.Array) -> DecoderCache:
-        """Writes one step's keys and values (`[L, B, T, H, D]`) at `positions: [B, T]`.
-        Positions outside `0 .. P-1` are dropped (padding of a bucket)."""
-        b = jnp.arange(new_k.shape[1])[:, None]  # [B, 1] against positions [B, T]
-
-        def put(cache: jax.Array, new: jax.Array) -> jax.Array:
-            # cache[:, b, pos] is [L, B, T, H, D]: adjacent advanced indices stay in place.
-            return cache.at[:, b, positions].set(new.astype(cache.dtype), mode="drop")
-
-        return DecoderCache(put(self.k, new_k), put(self.v, new_v))
-
 
 # ---- building blocks -----------------------------------------------------------------------
 
@@ -233,7 +173,8 @@ class EncoderLayer(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm decoder layer: causal self-attention, cross-attention, FFN, each residual."""
+    """Pre-norm decoder layer's blocks: causal self-attention, cross-attention, FFN, each
+    residual (run over the engine's ragged steps by `seq2seq_ragged.ragged_layers`)."""
 
     def __init__(self, cfg: M2M100Config, dtype: Any, rngs: nnx.Rngs):
         E, eps = cfg.d_model, cfg.layer_norm_eps
@@ -245,42 +186,16 @@ class DecoderLayer(nnx.Module):
         self.ffn_norm = LayerNorm(E, eps, dtype)
         self.ffn = FeedForward(E, cfg.decoder_ffn_dim, cfg.activation_function, dtype, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cross_k: jax.Array,
-                 cross_v: jax.Array, encoder_mask: jax.Array, cache_k: jax.Array | None,
-                 cache_v: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One layer over this step's decoder tokens.
-
-        x `[B, T, E]`; positions `[B, T]` (a row's tokens are contiguous); cross_k/cross_v
-        `[B, S, H, D]`; encoder_mask `[B, S]` bool; cache_k/cache_v `[B, P, H, D]` or None,
-        holding positions `0 .. positions[b, 0] - 1` (read only here). Returns the output
-        `[B, T, E]` and this step's self-attention keys and values `[B, T, H, D]`.
-        """
-        h = self.self_attn_norm(x)
-        attn = self.self_attn
-        q = attn.query(h)
-        k, v = attn.key_value(h)
-        keys, values = [k], [v]
-        masks = [positions[:, :, None] >= positions[:, None, :]]  # causal within the step
-        if cache_k is not None and cache_v is not None:
-            p_pos = jnp.arange(cache_k.shape[1])[None, None, :]
-            keys.insert(0, cache_k.astype(k.dtype))
-            values.insert(0, cache_v.astype(v.dtype))
-            masks.insert(0, p_pos < positions[:, :1, None])
-        x = x + attn.attend(q, keys, values, masks)
-        h = self.cross_attn_norm(x)
-        x = x + self.cross_attn.attend(self.cross_attn.query(h), [cross_k], [cross_v],
-                                       [encoder_mask[:, None, :]])
-        return x + self.ffn(self.ffn_norm(x)), k, v
-
 
 # ---- the model -----------------------------------------------------------------------------
 
 class M2M100(nnx.Module):
-    """M2M100 / NLLB-200 for conditional generation (see the module docstring).
+    """M2M100 / NLLB-200 for conditional generation: the params (see the module docstring;
+    `seq2seq_ragged.split_seq2seq` splits them for the engine).
 
     Params (`nnx.to_pure_dict` keys): `shared [V, E]` (token embeddings of both stacks and,
-    tied, the LM head), `lm_head [E, V]` (only when not tied), `encoder.layers` and
-    `decoder.layers` (stacked `[L, ...]`), `encoder.final_norm`, `decoder.final_norm`.
+    tied, the LM head), `lm_head [E, V]` (only when not tied), `encoder_layers` and
+    `decoder_layers` (stacked `[L, ...]`), `encoder_norm`, `decoder_norm`.
     """
 
     def __init__(self, cfg: M2M100Config, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
@@ -295,106 +210,6 @@ class M2M100(nnx.Module):
         self.decoder_layers = stacked_modules(lambda r: DecoderLayer(cfg, dtype, r),
                                               cfg.decoder_layers, rngs)
         self.decoder_norm = LayerNorm(E, cfg.layer_norm_eps, dtype)
-
-    def _embed(self, ids: jax.Array, pos_index: jax.Array) -> jax.Array:
-        """Scaled token embeddings plus sinusoidal positions: ids, pos_index `[B, T]` ->
-        `[B, T, E]` in the params dtype."""
-        cfg = self.cfg
-        embed = self.shared[...]
-        x = embed[ids] * jnp.asarray(cfg.embed_scale, embed.dtype)
-        pos = sinusoidal_embedding(pos_index, cfg.d_model, cfg.pad_token_id)
-        return x + pos.astype(x.dtype)
-
-    def encode(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        """The encoder: input_ids `[B, S] int32`, attention_mask `[B, S] bool` (True: a real
-        token; pads may sit on either side) -> `[B, S, E]` after the final encoder layer norm.
-
-        Positions come from `input_ids != pad_token_id`, as transformers computes them."""
-        cfg = self.cfg
-        mask = attention_mask.astype(bool)
-        x = self._embed(input_ids, encoder_position_index(input_ids, cfg.pad_token_id))
-        layer_def, layer_state = nnx.split(self.encoder_layers)
-
-        def body(x, state):
-            return nnx.merge(layer_def, state)(x, mask), None
-
-        x, _ = jax.lax.scan(body, x, layer_state)
-        return self.encoder_norm(x)
-
-    def cross_kv(self, encoder_out: jax.Array) -> CrossKV:
-        """Every decoder layer's cross-attention keys and values of `encoder_out [B, S, E]`:
-        `CrossKV` with k, v `[L, B, S, H, D]` (layer i: `(k[i], v[i])`, each `[B, S, H, D]`).
-        Computed once per source; `decode` reuses it at every step."""
-        layer_def, layer_state = nnx.split(self.decoder_layers)
-
-        def body(_, state):
-            return None, nnx.merge(layer_def, state).cross_attn.key_value(encoder_out)
-
-        _, (k, v) = jax.lax.scan(body, None, layer_state)
-        return CrossKV(k, v)
-
-    def decode(self, decoder_input_ids: jax.Array, positions: jax.Array, cross: CrossKV,
-               encoder_mask: jax.Array, self_kv_cache: DecoderCache | None = None,
-               ) -> tuple[jax.Array, DecoderCache]:
-        """The decoder and LM head over this step's decoder tokens.
-
-        decoder_input_ids `[B, T] int32` (a sequence starts `[decoder_start_token_id,
-        target language code]` for NLLB); positions `[B, T] int32`: each token's 0-based
-        decoder position (the number of decoder tokens before it; the sinusoid index is
-        `pad_token_id + 1 + position`, transformers' for pad-free decoder inputs); cross: from
-        `cross_kv`; encoder_mask `[B, S] bool`; self_kv_cache: None (the step is the whole
-        decoder sequence so far) or a `DecoderCache [L, B, P, H, D]` holding each row's
-        positions `0 .. positions[b, 0] - 1`.
-
-        Returns `(logits [B, T, V] float32, cache)`: without a cache, a `DecoderCache` of
-        exactly these `T` tokens (`[L, B, T, H, D]`); with one, that cache with this step's keys
-        and values written at `positions` (positions past `P` are dropped).
-        """
-        cfg = self.cfg
-        x = self._embed(decoder_input_ids, positions + cfg.pad_token_id + 1)
-        mask = encoder_mask.astype(bool)
-        layer_def, layer_state = nnx.split(self.decoder_layers)
-
-        def body(x, xs):
-            state, ck, cv, sk, sv = xs
-            x, k, v = nnx.merge(layer_def, state)(x, positions, ck, cv, mask, sk, sv)
-            return x, (k, v)
-
-        if self_kv_cache is None:
-            xs = (layer_state, cross.k, cross.v, None, None)
-        else:
-            xs = (layer_state, cross.k, cross.v, self_kv_cache.k, self_kv_cache.v)
-        x, (new_k, new_v) = jax.lax.scan(body, x, xs)
-        logits = self.logits(self.decoder_norm(x))
-        if self_kv_cache is None:
-            return logits, DecoderCache(new_k, new_v)
-        return logits, self_kv_cache.write(new_k, new_v, positions)
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        """Normalised decoder states `[..., E]` -> logits `[..., V]` float32 (tied head:
-        `x @ shared.T`)."""
-        if self.cfg.tie_word_embeddings:
-            out = jnp.einsum("...e,ve->...v", x, self.shared[...])
-        else:
-            out = x @ self.lm_head[...]
-        return out.astype(jnp.float32)
-
-    def forward(self, input_ids: jax.Array, attention_mask: jax.Array,
-                decoder_input_ids: jax.Array) -> jax.Array:
-        """Teacher forcing: input_ids `[B, S]`, attention_mask `[B, S]`, decoder_input_ids
-        `[B, T]` (pad-free, starting with `decoder_start_token_id`) -> logits `[B, T, V]`
-        float32, as transformers' `M2M100ForConditionalGeneration(...).logits`."""
-        enc = self.encode(input_ids, attention_mask)
-        B, T = decoder_input_ids.shape
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits, _ = self.decode(decoder_input_ids, positions, self.cross_kv(enc),
-                                attention_mask, None)
-        return logits
-
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
-                 decoder_input_ids: jax.Array) -> jax.Array:
-        """Same as `forward`."""
-        return self.forward(input_ids, attention_mask, decoder_input_ids)
 
 
 # ---- logical axes (engine/sharding.py's vocabulary) ----------------------------------------
@@ -427,19 +242,3 @@ def abstract_m2m100(cfg: M2M100Config,
     """The graphdef and a params pytree of `jax.ShapeDtypeStruct`s, allocating nothing."""
     model = nnx.eval_shape(lambda: M2M100(cfg, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)
-
-
-def m2m100_forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array,
-                   attention_mask: jax.Array, decoder_input_ids: jax.Array) -> jax.Array:
-    """Pure teacher-forced forward `(params, ...) -> logits [B, T, V] float32` (shapes as
-    `M2M100.forward`; `graphdef` static)."""
-    return nnx.merge(graphdef, params).forward(input_ids, attention_mask, decoder_input_ids)
-
-
-def m2m100_decode(graphdef: nnx.GraphDef, params: nnx.State, decoder_input_ids: jax.Array,
-                  positions: jax.Array, cross: CrossKV, encoder_mask: jax.Array,
-                  self_kv_cache: DecoderCache | None = None,
-                  ) -> tuple[jax.Array, DecoderCache]:
-    """Pure decoder step `(params, ...) -> (logits, cache)`; see `M2M100.decode`."""
-    return nnx.merge(graphdef, params).decode(decoder_input_ids, positions, cross,
-                                              encoder_mask, self_kv_cache)

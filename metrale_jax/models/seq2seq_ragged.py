@@ -207,15 +207,11 @@ def _ragged_decoder_layer(layer_def, state, x, positions, pool, layout, cross_k,
     return x + layer.ffn(layer.ffn_norm(x)), pool
 
 
-def encode_sources(graph: Seq2SeqGraph, params: LayerParams, cross: CrossCache,
-                   rows: jax.Array, ids: jax.Array, lens: jax.Array) -> CrossCache:
-    """The encoder over R sources and their cross-attention keys and values, written into
-    their rows (cross donated).
-
-    rows: [R] int32 (B = an unused entry: nothing written); ids: [R, S'] int32, each source
-    padded on the right (S' a source bucket, at most `cross.length`); lens: [R] int32, the
-    real lengths. Row r's buffers get positions 0 .. S'-1 and its length `lens[r]`.
-    """
+def encoder_states(graph: Seq2SeqGraph, params: LayerParams, ids: jax.Array,
+                   lens: jax.Array) -> jax.Array:
+    """The encoder over R sources: ids [R, S'] int32, each source padded on the right (what
+    lies past its length is ignored); lens: [R] int32, the real lengths. Returns the states
+    after the final encoder layer norm, `[R, S', E]` (rows past a source's length: unused)."""
     m2m = graph.cfg.encoder_decoder
     S = ids.shape[1]
     mask = jnp.arange(S)[None, :] < lens[:, None]
@@ -228,7 +224,20 @@ def encode_sources(graph: Seq2SeqGraph, params: LayerParams, cross: CrossCache,
 
     x, _ = jax.lax.scan(body, x, params.outer["encoder_layers"])
     norm = params.outer["encoder_norm"]
-    enc = layer_norm(x, norm["weight"][...], norm["bias"][...], m2m.layer_norm_eps)
+    return layer_norm(x, norm["weight"][...], norm["bias"][...], m2m.layer_norm_eps)
+
+
+def encode_sources(graph: Seq2SeqGraph, params: LayerParams, cross: CrossCache,
+                   rows: jax.Array, ids: jax.Array, lens: jax.Array) -> CrossCache:
+    """The encoder over R sources and their cross-attention keys and values, written into
+    their rows (cross donated).
+
+    rows: [R] int32 (B = an unused entry: nothing written); ids: [R, S'] int32, each source
+    padded on the right (S' a source bucket, at most `cross.length`); lens: [R] int32, the
+    real lengths. Row r's buffers get positions 0 .. S'-1 and its length `lens[r]`.
+    """
+    S = ids.shape[1]
+    enc = encoder_states(graph, params, ids, lens)
     new_k, new_v = [], []
     for i, state in enumerate(params.layers):
         k, v = nnx.merge(graph.layer_def, state).cross_attn.key_value(enc)
@@ -249,4 +258,5 @@ def copy_rows(cross: CrossCache, dst: jax.Array, src: jax.Array) -> CrossCache:
 
 
 __all__ = ["CROSS_AXES", "SEQ2SEQ_LAYER_PARAMS_AXES", "CrossCache", "Seq2SeqGraph",
-           "copy_rows", "encode_sources", "head", "ragged_layers", "split_seq2seq"]
+           "copy_rows", "encode_sources", "encoder_states", "head", "ragged_layers",
+           "split_seq2seq"]

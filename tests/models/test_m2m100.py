@@ -3,26 +3,37 @@
 A tiny random `M2M100ForConditionalGeneration` is saved with `save_pretrained` and loaded with
 `load_m2m100`; a SentencePiece BPE model trained here on a small corpus becomes an NLLB
 tokenizer folder (fairseq layout: 4 specials, spm ids + 1, the 202 FLORES-200 codes, <mask>),
-and transformers' `NllbTokenizer` saves its `tokenizer.json` beside. Encoder states and
-teacher-forced logits must agree within 1e-4 relative; our tokenizer must give transformers'
-ids from either file.
+and transformers' `NllbTokenizer` saves its `tokenizer.json` beside. The model runs as the
+engine runs it (`models/seq2seq_ragged.py`: the encoder program, then the decoder in ragged
+steps over paged pools): encoder states and teacher-forced logits must agree with
+transformers within 1e-4 relative; our tokenizer must give transformers' ids from either file.
 """
 
 from __future__ import annotations
 
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
 import transformers
+from flax import nnx
 from safetensors.numpy import save_file
 
 from devtools.nllb_models import nllb_config, randomize, write_nllb_tokenizer
 from metrale_jax.errors import CheckpointError, InvalidParameterError
-from metrale_jax.models.m2m100 import DecoderCache
+from metrale_jax.models.ragged import StepLayout
+from metrale_jax.models.seq2seq_ragged import (
+    CrossCache,
+    encode_sources,
+    encoder_states,
+    head,
+    ragged_layers,
+    split_seq2seq,
+)
 from metrale_jax.text.nllb import FLORES200_CODES, load_nllb_tokenizer
 from metrale_jax.weights.m2m100_reader import (
     load_m2m100,
@@ -32,6 +43,8 @@ from metrale_jax.weights.m2m100_reader import (
 from metrale_jax.weights.safetensors_reader import read_safetensors
 
 pytestmark = pytest.mark.xdist_group("m2m100")
+
+PAGE = 4  # page size of the decoder's pools in the ragged steps
 
 SENTENCES = [
     ("Hello world, how are you?", "eng_Latn"),
@@ -94,6 +107,56 @@ def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
+def _engine_view(model):
+    """`model` as the engine holds it: (`Seq2SeqGraph`, per-layer `LayerParams`)."""
+    return split_seq2seq(*nnx.split(model))
+
+
+def _decode(graph, params, cross: CrossCache, dec: np.ndarray, prefix: int):
+    """Teacher forcing through the engine's ragged steps: rows 0 .. B-1 prefill their first
+    `prefix` decoder tokens of dec `[B, T]` as one chunk, then feed one token per decode step
+    (n = B decode rows) through the paged pools. Returns (logits [B, T, V], the pools)."""
+    cfg = graph.cfg
+    B, T = dec.shape
+    pps = -(-T // PAGE)
+    table = 1 + np.arange(B * pps, dtype=np.int32).reshape(B, pps)  # page 0: the null page
+    pools = tuple(jnp.zeros((1 + B * pps, PAGE, 2 * cfg.num_kv_heads, cfg.head_dim),
+                            jnp.float32) for _ in range(cfg.num_layers))
+
+    def run(pools, rows: np.ndarray, positions: np.ndarray, n: int):
+        """One step: tokens dec[rows, positions], the first n of them decode rows."""
+        layout = StepLayout(
+            slots=jnp.asarray(table[rows, positions // PAGE] * PAGE + positions % PAGE),
+            dec_table=jnp.asarray(table[:n]), dec_lens=jnp.asarray(positions[:n] + 1),
+            chunk_rows=jnp.asarray(rows[n:]), page_table=jnp.asarray(table))
+        x, new_pools = ragged_layers(graph, params, pools, jnp.asarray(dec[rows, positions]),
+                                     jnp.asarray(positions), layout, cross, jnp.asarray(rows),
+                                     n=n)
+        return head(graph, params, x), new_pools
+
+    rows = np.repeat(np.arange(B, dtype=np.int32), prefix)
+    positions = np.tile(np.arange(prefix, dtype=np.int32), B)
+    logits, pools = run(pools, rows, positions, 0)
+    out = [np.asarray(logits).reshape(B, prefix, -1)]
+    for t in range(prefix, T):
+        logits, pools = run(pools, np.arange(B, dtype=np.int32), np.full(B, t, np.int32), B)
+        out.append(np.asarray(logits)[:, None])
+    return np.concatenate(out, axis=1), pools
+
+
+def _teacher_forced(model, ids: np.ndarray, mask: np.ndarray, dec: np.ndarray, prefix: int):
+    """Logits `[B, T, V]` of dec `[B, T]` given the right-padded sources ids `[B, S]`, through
+    the engine's path: `encode_sources` into rows 0 .. B-1, then `_decode`. Returns (logits,
+    pools, cross)."""
+    graph, params = _engine_view(model)
+    B, S = ids.shape
+    cross = CrossCache.zeros(graph.cfg, B, S, jnp.float32)
+    cross = encode_sources(graph, params, cross, jnp.arange(B, dtype=jnp.int32),
+                           jnp.asarray(ids), jnp.asarray(mask.sum(1), jnp.int32))
+    logits, pools = _decode(graph, params, cross, dec, prefix)
+    return logits, pools, cross
+
+
 def test_encoder_matches_transformers(pair, batch):
     hf, model, _, _ = pair
     ids, mask, _ = batch
@@ -101,20 +164,24 @@ def test_encoder_matches_transformers(pair, batch):
         ref = hf.model.encoder(input_ids=torch.tensor(ids, dtype=torch.long),
                                attention_mask=torch.tensor(mask, dtype=torch.long))
     ref = ref.last_hidden_state.numpy()
-    ours = np.asarray(model.encode(jnp.asarray(ids), jnp.asarray(mask)))
+    graph, params = _engine_view(model)
+    ours = np.asarray(encoder_states(graph, params, jnp.asarray(ids),
+                                     jnp.asarray(mask.sum(1), jnp.int32)))
     err = _rel_err(ours[mask], ref[mask])  # pad positions are never read
     assert err <= 1e-4, f"encoder: max relative error {err:.2e}"
     np.testing.assert_allclose(ours[mask], ref[mask], rtol=1e-4, atol=1e-5)
 
 
 def test_teacher_forced_logits_match_transformers(pair, batch):
+    """The decoder prefix as one prefill chunk, then one token per decode step through the
+    paged pools, against transformers' forward on the same decoder_input_ids."""
     hf, model, _, _ = pair
     ids, mask, dec = batch
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(ids, dtype=torch.long),
                  attention_mask=torch.tensor(mask, dtype=torch.long),
                  decoder_input_ids=torch.tensor(dec, dtype=torch.long)).logits.numpy()
-    ours = np.asarray(model.forward(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(dec)))
+    ours, _, _ = _teacher_forced(model, ids, mask, dec, prefix=2)
     assert ours.dtype == np.float32 and ours.shape == ref.shape
     err = _rel_err(ours, ref)
     assert err <= 1e-4, f"logits: max relative error {err:.2e}"
@@ -122,27 +189,19 @@ def test_teacher_forced_logits_match_transformers(pair, batch):
 
 
 def test_incremental_decode_matches_full_pass(pair, batch):
-    """The prefix in one step into a cache, then one token per step."""
+    """The prefix in one chunk, then one token per step, against the whole decoder sequence
+    as one chunk: the same logits and the same keys and values in the pools."""
     _, model, cfg, _ = pair
     ids, mask, dec = batch
-    enc_mask = jnp.asarray(mask)
-    cross = model.cross_kv(model.encode(jnp.asarray(ids), enc_mask))
-    assert cross.k.shape == (cfg.decoder_layers, *ids.shape, 4, 16)
-    B, T = dec.shape
-    full, full_cache = model.decode(jnp.asarray(dec), jnp.broadcast_to(jnp.arange(T), (B, T)),
-                                    cross, enc_mask)
-    cache = DecoderCache.zeros(cfg, B, T + 3)
-    first, cache = model.decode(jnp.asarray(dec[:, :2]), jnp.broadcast_to(jnp.arange(2), (B, 2)),
-                                cross, enc_mask, cache)
-    steps = [np.asarray(first)]
-    for t in range(2, T):
-        logits, cache = model.decode(jnp.asarray(dec[:, t:t + 1]), jnp.full((B, 1), t), cross,
-                                     enc_mask, cache)
-        steps.append(np.asarray(logits))
-    err = _rel_err(np.concatenate(steps, axis=1), np.asarray(full))
+    T = dec.shape[1]
+    steps, step_pools, cross = _teacher_forced(model, ids, mask, dec, prefix=2)
+    assert len(cross.k) == cfg.decoder_layers
+    assert cross.k[0].shape == (*ids.shape, 4, 16)
+    full, full_pools, _ = _teacher_forced(model, ids, mask, dec, prefix=T)
+    err = _rel_err(steps, full)
     assert err <= 1e-5, f"incremental decode: max relative error {err:.2e}"
-    np.testing.assert_allclose(np.asarray(cache.k[:, :, :T]), np.asarray(full_cache.k),
-                               rtol=1e-5, atol=1e-6)
+    for got, want in zip(step_pools, full_pools, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["json", "spm"])
@@ -200,6 +259,8 @@ def test_orbax_round_trip(pair, batch, tok_folders, tmp_path):
     again, cfg2, generation = load_m2m100_orbax(dst)
     assert cfg2 == cfg and generation == {"max_length": 200}
     assert (dst / "tokenizer" / "tokenizer.json").is_file()
-    args = (jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(dec))
-    np.testing.assert_array_equal(np.asarray(again.forward(*args)),
-                                  np.asarray(model.forward(*args)))
+    for got, want in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(_teacher_forced(again, ids, mask, dec, prefix=2)[0],
+                                  _teacher_forced(model, ids, mask, dec, prefix=2)[0])
