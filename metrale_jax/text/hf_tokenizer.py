@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from metrale_jax.errors import CheckpointError
 from metrale_jax.text.hf_config import AddedTokenSpec, read_tokenizer_files
-from metrale_jax.text.tokenizer import Tokenizer
+from metrale_jax.text.tokenizer import Tokenizer, check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,7 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; see `Tokenizer.encode`."""
+        check_unicode(text)
         return self._backend.encode(text, add_special_tokens=bool(add_special_tokens)).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

@@ -37,7 +37,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from metrale_jax.errors import CheckpointError, InvalidParameterError
 from metrale_jax.text.hf_config import read_json, read_tokenizer_files
 from metrale_jax.text.spm_proto import fields, normalizer_spec, write_varint
-from metrale_jax.text.tokenizer import Tokenizer
+from metrale_jax.text.tokenizer import Tokenizer, check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,7 @@ class NllbTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, as `encode_source(text,
         self.src_lang)`. Special tokens written in the text become their ids."""
+        check_unicode(text)
         if add_special_tokens:
             return self.encode_source(text, self.src_lang)
         if self._rust is not None:

@@ -28,7 +28,7 @@ import sentencepiece
 from metrale_jax.errors import CheckpointError
 from metrale_jax.text.hf_config import AddedTokenSpec, TokenizerFiles, read_tokenizer_files
 from metrale_jax.text.spm_proto import normalizer_flags, without_dummy_prefix
-from metrale_jax.text.tokenizer import Tokenizer
+from metrale_jax.text.tokenizer import Tokenizer, check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; see `Tokenizer.encode` and the module docstring."""
+        check_unicode(text)
         ids: list[int] = list(self._prepend) if add_special_tokens else []
         pos = 0
         if self._split is not None:

@@ -14,7 +14,34 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
+from metrale_jax.errors import InvalidParameterError
+
 logger = logging.getLogger(__name__)
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone UTF-16 surrogate (U+D800-U+DFFF) in `text`, or None.
+
+    A JSON body may escape one (`"\\ud800"`) and Python keeps it in the str, but it is no
+    Unicode character: no tokenizer can encode it (the Rust one raises TypeError)."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # only surrogates fail to encode
+        return e.start
+    return None
+
+
+def check_unicode(text: str, param: str | None = None) -> None:
+    """Raises `InvalidParameterError` (HTTP 400, naming `param`) when `text` holds a lone
+    surrogate, which is not valid Unicode text."""
+    at = lone_surrogate(text)
+    if at is not None:
+        where = f"`{param}`" if param else "the text"
+        raise InvalidParameterError(
+            f"{where} holds a lone UTF-16 surrogate (U+{ord(text[at]):04X} at character {at}), "
+            f"which is not valid Unicode text", param=param)
 
 
 class Tokenizer(ABC):

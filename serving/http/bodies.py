@@ -13,6 +13,7 @@ from typing import Any
 from quart import Response, g, has_request_context, request
 
 from metrale_jax.errors import InvalidParameterError, MetraleError
+from metrale_jax.text.tokenizer import check_unicode, lone_surrogate
 from serving.http.context import current
 from serving.http.errors import error_headers
 from serving.http.protocol import parse
@@ -53,6 +54,26 @@ def error_response(e: MetraleError) -> Response:
     return json_response(body, e.status, error_headers(e))
 
 
+def invalid_text_field(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The first string of a decoded JSON body (a key or a value, depth first) that holds a
+    lone UTF-16 surrogate, as (its path, e.g. "messages[1].content", the string), or None.
+    JSON lets a body escape one (`"\\ud800"`); no tokenizer can encode it, so it is a 400."""
+    if isinstance(value, str):
+        return (path or "body", value) if lone_surrogate(value) is not None else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            at = f"{path}.{key}" if path else str(key)
+            if lone_surrogate(key) is not None:
+                return (path or "body", key)
+            if (found := invalid_text_field(item, at)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := invalid_text_field(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
 async def read_body(model: type) -> Any:
     """The request's JSON body parsed into `model`; unknown fields are logged and noted."""
     data = await request.get_data(as_text=False)
@@ -63,6 +84,9 @@ async def read_body(model: type) -> Any:
     ctx = current()
     if ctx is not None:
         ctx.body = decoded  # for the request dump
+    bad = invalid_text_field(decoded)
+    if bad is not None:
+        check_unicode(bad[1], param=bad[0])
     parsed = parse(model, decoded)
     unknown = parsed.unknown_fields()
     if unknown:

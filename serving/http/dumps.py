@@ -415,7 +415,9 @@ class RequestDumper:
         if self.redact:
             _redact_line(line)
         text = json.dumps(line, ensure_ascii=False, separators=(",", ":"), default=str)
-        return text.encode("utf-8") + b"\n"
+        # A lone surrogate (a 400 body's, kept for replay) has no UTF-8: it is written as its
+        # JSON escape, which reads back as the same string.
+        return text.encode("utf-8", "backslashreplace") + b"\n"
 
     def _write(self, seq: int, data: bytes) -> None:
         """Writes one line (bytes ending in a newline) and flushes it; rotates first when the

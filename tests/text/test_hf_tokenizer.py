@@ -142,3 +142,15 @@ def test_broken_files_raise_checkpoint_error_naming_them(byte_level_folder, tmp_
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"x": {}}}))
     with pytest.raises(CheckpointError, match="added_tokens_decoder"):
         load_hf_tokenizer(Path(tmp_path))
+
+
+def test_a_lone_surrogate_is_a_clear_error_not_a_type_error(byte_level, spm_folder):
+    """`encode` of text holding a lone surrogate raises `InvalidParameterError` (a 400 in the
+    server, a clear error in the Python API) from every backend; a paired one encodes."""
+    from metrale_jax.errors import InvalidParameterError
+    from metrale_jax.text import load_tokenizer
+
+    for tokenizer in (byte_level[0], load_tokenizer(spm_folder)):
+        with pytest.raises(InvalidParameterError, match="surrogate.*U\\+DC00 at character 2"):
+            tokenizer.encode("ab\udc00c")
+        assert tokenizer.encode("ab\U0001F600c")

@@ -253,3 +253,15 @@ def test_an_entry_json_cannot_hold_is_dropped_and_others_written(tmp_path, caplo
         dumper.record(2, entry(body={"model": "m", "when": object()}))  # str() of it is kept
     assert [line["seq"] for line in lines_of(tmp_path)] == [2]
     assert dumper.dropped == 1 and dumper.enabled
+
+
+def test_a_lone_surrogate_is_dumped_as_its_json_escape(tmp_path):
+    """A refused body with a lone surrogate (no UTF-8 for it) is written as the JSON escape,
+    which reads back as the same string; the dumper stays enabled."""
+    with RequestDumper(tmp_path) as dumper:
+        for text in ("a\ud800b", "after"):
+            dumper.record(dumper.next_seq(), entry(texts=[text]))
+        assert dumper.flush()
+    first, second = lines_of(tmp_path)
+    assert first["outcome"]["texts"] == ["a\ud800b"]
+    assert second["outcome"]["texts"] == ["after"]

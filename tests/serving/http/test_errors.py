@@ -170,3 +170,52 @@ def test_languages_on_a_decoder_only_model_are_400(base_url, schemas, path, body
     schemas.error(err)
     assert err["error"]["param"] == field
     assert "translation models" in err["error"]["message"]
+
+
+LONE = "a\ud800b"  # a lone UTF-16 surrogate: JSON may escape one, no tokenizer can encode it
+SURROGATES = [
+    ("chat content", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
+    ("chat content part", "/v1/chat/completions",
+     {**CHAT, "messages": [MSG[0], {"role": "assistant", "content": "x"}, {
+         "role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages[2].content[0].text"),
+    ("stop string", "/v1/chat/completions", {**CHAT, "stop": ["ok", LONE]}, "stop[1]"),
+    ("completion prompt", "/v1/completions",
+     {"model": MODEL, "prompt": LONE, "max_tokens": 2}, "prompt"),
+    ("completion prompt list", "/v1/completions",
+     {"model": MODEL, "prompt": ["hi", LONE], "max_tokens": 2}, "prompt[1]"),
+    ("responses input", "/v1/responses",
+     {"model": MODEL, "input": LONE, "max_output_tokens": 4}, "input"),
+    ("tokenize", "/tokenize", {"model": MODEL, "prompt": LONE}, "prompt"),
+    ("a key", "/v1/chat/completions", {**CHAT, "metadata": {LONE: "x"}}, "metadata"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "param"), SURROGATES,
+                         ids=[c[0] for c in SURROGATES])
+def test_a_lone_surrogate_is_a_400_naming_its_field(base_url, schemas, name, path, body, param):
+    """Text that is not Unicode (a lone surrogate, which JSON can escape) never reaches the
+    tokenizer (whose TypeError was a 500): a 400 naming the field, and the server stays up."""
+    got, _, out = post(base_url, path, body)
+    assert got == 400, out
+    schemas.error(out)
+    assert out["error"]["param"] == param
+    assert "surrogate" in out["error"]["message"] and "U+D800" in out["error"]["message"]
+    health, _, _ = post(base_url, "/health", b"", method="GET")
+    assert health == 200
+
+
+def test_a_lone_surrogate_in_an_anthropic_message_is_its_400(base_url):
+    got, _, out = post(base_url, "/v1/messages", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": LONE}]})
+    assert got == 400
+    assert out["type"] == "error" and out["error"]["type"] == "invalid_request_error"
+    assert "surrogate" in out["error"]["message"]
+
+
+def test_a_paired_surrogate_is_one_character_and_served(base_url):
+    """An escaped pair (`\\ud83d\\ude00`) is one valid character: served, not refused."""
+    got, _, out = post(base_url, "/tokenize", b'{"model": "%s", "prompt": "\\ud83d\\ude00"}'
+                       % MODEL.encode())
+    assert got == 200, out
