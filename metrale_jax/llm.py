@@ -17,8 +17,10 @@ compiled steps in `metrale_jax.engine`.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,19 @@ from metrale_jax.models.unrolled import LayerGraph, LayerParams, split_layers
 from metrale_jax.weights.checkpoint import Checkpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
+
+_RUNNING: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The batching loops (`Scheduler`s) that `LLM`s started and did not stop: stopped at
+interpreter exit (`close_all`), even when their `LLM` is gone."""
+
+
+@atexit.register
+def close_all() -> None:
+    """Stops every batching loop an `LLM` started. Runs at interpreter exit, before Python
+    tears down the daemon loop threads: a script that never calls `close()` would otherwise
+    end with a loop inside XLA and abort (exit 134, "terminate called ...")."""
+    for scheduler in list(_RUNNING):
+        scheduler.stop()
 
 MIN_LOGITS_BUCKET = 16
 
@@ -132,6 +147,7 @@ class LLM:
             if not scheduler.wait_ready():
                 raise scheduler.startup_error
             self._scheduler = scheduler
+            _RUNNING.add(scheduler)
         return self._scheduler
 
     @property
@@ -148,10 +164,20 @@ class LLM:
         return self.scheduler.engine.warmup()
 
     def close(self) -> None:
-        """Stops the batching loop thread, if one was started."""
+        """Stops the batching loop thread, if one was started (at interpreter exit, every
+        open `LLM` is closed without this call)."""
         if self._scheduler is not None:
+            _RUNNING.discard(self._scheduler)
             self._scheduler.stop()
             self._scheduler = None
+
+    def __enter__(self) -> LLM:
+        """`with LLM(...) as llm:` closes it at the end of the block."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Closes the `LLM` (see `close`)."""
+        self.close()
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
