@@ -70,8 +70,11 @@ class LLM:
         mesh: the device mesh, "data=2,model=4" or (data, model); None = the default for the
             model and the devices (see `engine/sharding.py`).
         memory_gb: GiB per device for the memory plan (None = what the devices report).
-        warmup: compile every program of the serving grid (all prefill buckets, batch sizes
-            and decode buckets) when the batching loop starts, as `metrale serve` does. The
+        warmup: True (or "full"): compile every program of the serving grid (all prefill
+            buckets, batch sizes and decode buckets) when the batching loop starts, as
+            `metrale serve --warmup full` does; "serve": compile the few programs that serve
+            any request, then the rest in the background while requests run (as `metrale
+            serve` does by default; `llm.scheduler.engine.wait_compiled()` waits for it). The
             default, False, suits one-shot runs: each program compiles on its first use, so
             a first `generate` compiles only the shapes it needs. Either way the grid is
             fixed, so no request compiles anything outside it.
@@ -96,7 +99,7 @@ class LLM:
     def __init__(self, model: str | Path = "default", *, dtype: str | None = None,
                  max_slots: int | None = 8, max_len: int | None = 2048,
                  mesh: str | tuple[int, int] | None = None, memory_gb: float | None = None,
-                 warmup: bool = False, loras: dict[str, str | Path] | None = None,
+                 warmup: bool | str = False, loras: dict[str, str | Path] | None = None,
                  source_lang: str | None = None, target_lang: str | None = None,
                  allowed_media_domains: Sequence[str] | None = None,
                  image_limits: Any = None, **engine_options: Any):

@@ -142,16 +142,39 @@ class Engine:
         """The (n, chunk, k) step shapes warmup compiles (`programs.program_grid`)."""
         return program_grid(self.config)
 
-    def warmup(self, workers: int = 2,
-               progress: Callable[[int, int], None] | None = None) -> float:
+    def warmup(self, workers: int = 2, progress: Callable[[int, int], None] | None = None,
+               background: bool = False) -> float:
         """Compiles every program (init, seeding, beam search's `beam_set`, the image and
-        source encoders, every step of `program_grid`, verify steps); returns seconds.
-        progress: called as `progress(done, total)` after each program is ready."""
+        source encoders, every step of `program_grid` and its sampling program, verify
+        steps); returns seconds. progress: called as `progress(done, total)` after each
+        program is ready. background: compile only the steps that serve any request now
+        (`StepPrograms.step_jobs("first")`) and the rest of the grid on a thread of its own,
+        returning before it ends: meanwhile each step runs in the nearest compiled shape
+        (`compile_status()` shows the progress; `wait_compiled()` waits)."""
         parts = (self.image_encoder, self.sources)
         jobs = [*self.step_programs.init_jobs(), *self.packer.jobs(), *self.beams.jobs(),
                 *(job for part in parts if part is not None for job in part.jobs()),
-                *self.step_programs.step_jobs()]
-        return self.programs.warmup(jobs, workers, progress)
+                *self.step_programs.step_jobs("first" if background else "all")]
+        seconds = self.programs.warmup(jobs, workers, progress)
+        if background:
+            self.programs.warmup_in_background(self.step_programs.step_jobs("rest"), workers)
+        return seconds
+
+    def compile_status(self) -> dict[str, Any]:
+        """The compiled programs and the background compile's progress: `{"programs",
+        "background": {"done", "total", "complete", "seconds"}}`."""
+        return {"programs": self.compile_count,
+                "background": self.programs.background_status()}
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Waits for a background warmup to end; True when the whole grid is compiled."""
+        return self.programs.wait_background(timeout)
+
+    @property
+    def chunk_limit(self) -> int:
+        """The most prompt tokens a step may carry now (`StepPrograms.chunk_limit`:
+        `max_prefill_len`, less while the grid compiles in the background)."""
+        return self.step_programs.chunk_limit()
 
     # ---- checks --------------------------------------------------------------------------
     def check_prompt(self, n: int) -> None:
@@ -274,22 +297,23 @@ class Engine:
             take_pages(self.pages, int(b), int(self.lengths[b]) + (1 if pieces else
                                                                     cfg.decode_steps))
         if not pieces:
-            out = self.step_programs.step(cfg.rows_for(top), 0, cfg.decode_steps)(
-                self.params, state, self.pages.table.copy(), active, self._allowed(B, allowed),
-                None, *self.lora_slots.args())
+            out = self.step_programs.run(
+                self.step_programs.decode_rows(top), 0, cfg.decode_steps, self.params, state,
+                self.pages.table.copy(), active, self._allowed(B, allowed), None,
+                *self.lora_slots.args())
             self.lengths[used] = np.minimum(self.lengths[used] + cfg.decode_steps, cap)
             return out
-        chunk, finishing = self.packer.pack(pieces, active)
+        n, C = self.step_programs.mixed_shape(top, sum(len(p.tokens) for p in pieces))
+        chunk, finishing = self.packer.pack(pieces, active, C)
         for p in pieces:
             if p.prefix:
                 state = self.packer.seed(state, p)
             self.lora_slots.set_row(p.slot, p.lora)
-        n = next(r for r in cfg.mixed_row_buckets if top <= r)
         # A copy of the table: on CPU a queued step may read its NumPy inputs in place, and
         # the table changes before the next step.
-        state, out = self.step_programs.step(n, int(chunk.tokens.shape[0]), 1)(
-            self.params, state, self.pages.table.copy(), active, self._allowed(B, allowed),
-            chunk, *self.lora_slots.args())
+        state, out = self.step_programs.run(
+            n, C, 1, self.params, state, self.pages.table.copy(),
+            active, self._allowed(B, allowed), chunk, *self.lora_slots.args())
         self.lengths[used] = np.minimum(self.lengths[used] + 1, cap)
         for piece in finishing:
             self.lengths[piece.slot] = piece.start + len(piece.tokens)
@@ -313,7 +337,7 @@ class Engine:
         active = np.asarray(active, np.bool_)
         used = np.flatnonzero(active)
         top = int(used[-1]) + 1 if used.size else 1
-        n = next(r for r in cfg.mixed_row_buckets if top <= r)
+        n = self.step_programs.verify_rows(top)
         table = np.zeros((n, k), np.int32)
         lens = np.zeros(n, np.int32)
         cap = self.pages.pages_per_seq * cfg.page_size
@@ -358,13 +382,14 @@ class Engine:
                                         param="sources")
         for source in sources or ():
             self.check_source(len(source))
-        work = self.packer.cut_prompts(items, sources)
+        limit = self.chunk_limit
+        work = self.packer.cut_prompts(items, sources, limit)
         N = cfg.num_top_logprobs
         first = StepOutput(np.zeros((1, B), np.int32), np.zeros((1, B), np.float32),
                            np.zeros((1, B, N), np.int32), np.zeros((1, B, N), np.float32))
         outputs: list[tuple[StepOutput, list[int]]] = []
         while work:
-            batch, cols = plan_pieces(work, cfg.max_prefill_len, cfg.max_prefill_batch)
+            batch, cols = plan_pieces(work, limit, cfg.max_prefill_batch)
             state, out = self.step(state, np.zeros(B, np.bool_), None, batch)
             outputs.append((out, cols))
         for out, cols in outputs:

@@ -174,16 +174,20 @@ class PiecePacker:
         if need > self.pages.free_pages:
             raise OutOfPagesError(f"the pieces need {need} pages; {self.pages.free_pages} free")
 
-    def pack(self, pieces: Sequence[Piece],
-             active: np.ndarray) -> tuple[steps.ChunkInputs, list[Piece]]:
+    def pack(self, pieces: Sequence[Piece], active: np.ndarray,
+             chunk: int | None = None) -> tuple[steps.ChunkInputs, list[Piece]]:
         """The chunk inputs of `pieces` (checked, pages allocated: C tokens, R finishing
-        slots) and the finishing pieces, in order."""
+        slots) and the finishing pieces, in order. chunk: C, a chunk bucket holding their
+        tokens (None: the smallest)."""
         self.check(pieces, active)
         cfg, B, R = self.config, self.config.max_slots, self.config.max_prefill_batch
         for p in pieces:
             take_pages(self.pages, p.slot, p.start + len(p.tokens))
         finishing = [p for p in pieces if p.settings is not None]
-        C = cfg.chunk_bucket_for(sum(len(p.tokens) for p in pieces))
+        total = sum(len(p.tokens) for p in pieces)
+        C = chunk if chunk is not None else cfg.chunk_bucket_for(total)
+        if total > C:
+            raise InvalidParameterError(f"a chunk of {C} tokens for pieces of {total}")
         tokens = np.zeros(C, np.int32)
         rows = np.full(C, -1, np.int32)
         positions = np.zeros(C, np.int32)
@@ -215,10 +219,12 @@ class PiecePacker:
                                  finish_steps, sampling, allowed, image_rows), finishing
 
     def cut_prompts(self, items: Sequence[tuple[int, Sequence[int], SlotSettings]],
-                    sources: Sequence[Sequence[int]] | None) -> collections.deque:
+                    sources: Sequence[Sequence[int]] | None,
+                    size: int | None = None) -> collections.deque:
         """The pieces of whole prompts ((slot, ids, settings) items; an encoder-decoder's
-        source on each first piece), as the (item index, Piece) queue of `plan_pieces`."""
-        size = self.config.max_prefill_len
+        source on each first piece), as the (item index, Piece) queue of `plan_pieces`: at
+        most `size` tokens each (None: max_prefill_len)."""
+        size = size or self.config.max_prefill_len
         queue = [(i, Piece.cut(slot, ids, settings, size))
                  for i, (slot, ids, settings) in enumerate(items)]
         if sources is not None:

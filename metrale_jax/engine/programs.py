@@ -4,17 +4,28 @@
 will run with, and counts the compiles (`compile_count`: tests hold it flat after warmup).
 Every part of the engine (`StepPrograms` here, the source encoder, the image encoder, beam
 forks, piece packing, LoRA slots) asks it for its programs by key; `warmup(jobs)` compiles a
-list of them on a few threads. `enable_compilation_cache` turns on JAX's persistent cache
-(`EngineConfig.compilation_cache_dir`), which makes a second start fast.
+list of them on a few threads, and `warmup_in_background(jobs)` the same on a thread of its
+own while the engine already runs the programs compiled first. `enable_compilation_cache`
+turns on JAX's persistent cache (`EngineConfig.compilation_cache_dir`), which makes a second
+start fast.
 
 `StepPrograms` builds the programs of the engine contract:
 - `init`: an empty `DecodeState`;
 - `step` per (n, C, k) of `program_grid`: one ragged step (`steps.ragged_step`) in which the
   decode rows 0 .. n-1 each decode a token and a chunk of C prompt tokens (pieces of any
-  prompts, C a chunk bucket) is prefilled along; without a chunk (C = 0) `decode_steps`
-  decode steps run in one call;
+  prompts, C a chunk bucket) is prefilled along, up to the logits; without a chunk (C = 0)
+  `decode_steps` decode steps run in one call;
+- `sample` per (n, R): the draw of a one-token step's n + R tokens (`steps.sample_rows`), its
+  own program so that the sampler (the largest part of a small model's step to compile) is
+  compiled once per row bucket instead of into every step shape; k > 1 decode steps keep it
+  fused (it runs inside their loop);
 - `verify` per mixed row bucket n, with `speculative_tokens` > 0 only: speculative decoding's
-  verify step (`engine/speculative.py`).
+  verify step (`engine/speculative.py`; sampling fused: its acceptance reads the draws).
+
+While a background warmup runs, `decode_rows`, `mixed_shape`, `verify_rows` and `chunk_limit`
+choose among the programs already compiled (a larger row bucket, a larger chunk bucket, or a
+smaller chunk limit for the prompt pieces), so no request waits for a compile; once the grid
+is complete they choose the exact buckets.
 """
 
 from __future__ import annotations
@@ -39,6 +50,9 @@ from metrale_jax.engine.placement import StepShardings
 from metrale_jax.engine.sampling_state import SamplingState
 
 log = logging.getLogger(__name__)
+
+COMPILE_THREAD = "metrale-compile"
+"""The name (prefix) of the threads that warmups compile on."""
 
 Job = Callable[[], Any]
 """A call that compiles one program (or finds it compiled), for `ProgramCache.warmup`."""
@@ -76,13 +90,17 @@ class ProgramCache:
 
     replicated: the sharding given to every input spec that has none (host inputs are small
     and every process passes the same values). Attributes: compile_count, programs compiled
-    so far."""
+    so far; compiled_on, the name of the thread that compiled each key (warmups compile on
+    `COMPILE_THREAD` threads; any other name: a program compiled on first use)."""
 
     def __init__(self, replicated: NamedSharding):
         self.replicated = replicated
         self.compile_count = 0
         self._compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
+        self.compiled_on: dict[tuple, str] = {}  # the thread that compiled each program
+        self._background: threading.Thread | None = None
+        self._progress: list[Any] = [0, 0, None, None]  # done, total, start, end
 
     def get(self, key: tuple) -> Any | None:
         """The executable compiled under `key`, or None."""
@@ -104,6 +122,7 @@ class ProgramCache:
         with self._lock:
             if key not in self._compiled:
                 self._compiled[key] = exe
+                self.compiled_on[key] = threading.current_thread().name
                 self.compile_count += 1
         log.info("compiled %s in %.2f s", key, time.perf_counter() - t0)
         return self._compiled[key]
@@ -117,13 +136,54 @@ class ProgramCache:
             return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated)
         return jax.tree.map(one, specs)
 
+    @property
+    def compiling(self) -> bool:
+        """True while a background warmup (`warmup_in_background`) still runs."""
+        return self._background is not None and self._background.is_alive()
+
+    def background_status(self) -> dict[str, Any]:
+        """The background warmup's progress: `{"done", "total", "complete", "seconds"}`
+        (programs compiled of those it was given; complete: it ended, or none was started;
+        seconds: how long it ran, or has run so far)."""
+        done, total, t0, t1 = self._progress
+        end = t1 if t1 is not None else time.perf_counter()
+        return {"done": done, "total": total, "complete": not self.compiling,
+                "seconds": round(end - t0, 1) if t0 is not None else 0.0}
+
+    def warmup_in_background(self, jobs: Sequence[Job], workers: int = 2) -> None:
+        """Runs `jobs` (as `warmup`) on a daemon thread and returns at once; `compiling` is
+        True until they are all done. Progress goes to the log and `background_status`; a
+        failed compile is logged and stops nothing (that shape compiles on first use)."""
+        self._progress = [0, len(jobs), time.perf_counter(), None]
+
+        def progress(done: int, total: int) -> None:
+            self._progress[0] = done
+            log.info("background compile: %d of %d programs", done, total)
+
+        def run() -> None:
+            try:
+                self.warmup(jobs, workers, progress)
+            except Exception:
+                log.exception("background compile failed")
+            finally:
+                self._progress[3] = time.perf_counter()
+
+        self._background = threading.Thread(target=run, name=COMPILE_THREAD, daemon=True)
+        self._background.start()
+
+    def wait_background(self, timeout: float | None = None) -> bool:
+        """Waits for the background warmup (if any); True when it has ended."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return not self.compiling
+
     def warmup(self, jobs: Sequence[Job], workers: int = 2,
                progress: Callable[[int, int], None] | None = None) -> float:
         """Runs every job of `jobs` (each compiles a program) on `workers` threads; returns
         the seconds taken. progress: called as `progress(done, total)` after each job (from
         the calling thread)."""
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(max(1, workers)) as pool:
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix=COMPILE_THREAD) as pool:
             futures = [pool.submit(job) for job in jobs]
             for done, f in enumerate(as_completed(futures), 1):
                 f.result()
@@ -180,7 +240,7 @@ class StepPrograms:
             return exe  # every step asks: skip building the jit and specs (~1 ms of host time)
         cfg, i32 = self.config, jnp.int32
         B = cfg.max_slots
-        shape = steps.StepShape(n, chunk, cfg.max_prefill_batch if chunk else 0, k)
+        shape = steps.StepShape(n, chunk, self.finish_rows(chunk), k)
         fn = jax.jit(functools.partial(steps.ragged_step, self.graph, self.sample_config, shape),
                      donate_argnums=(1,),
                      out_shardings=(self.shardings.state, self.shardings.replicated))
@@ -195,6 +255,36 @@ class StepPrograms:
         return self.cache.compile(("step", n, chunk, k), fn, self.params_spec, self.state_spec,
                                   spec((B, cfg.pages_per_seq), i32), spec((B,), jnp.bool_),
                                   self.mask_spec(B), chunk_spec, *self.lora_specs)
+
+    def sample(self, n: int, finish: int) -> Any:
+        """The sampling program of a one-token step with n decode rows and `finish` (R)
+        prompts that may end in it (`steps.sample_rows`): one per (n, R), shared by every
+        chunk size."""
+        if (exe := self.cache.get(("sample", n, finish))) is not None:
+            return exe
+        M = n + finish
+        fn = jax.jit(functools.partial(steps.sample_rows, self.sample_config,
+                                       steps.SampleShape(n, finish)),
+                     donate_argnums=(0,),
+                     out_shardings=(self.shardings.state, self.shardings.replicated))
+        inputs = steps.SampleInputs(spec((M, self.vocab_size), jnp.float32),
+                                    spec((M,), jnp.int32), spec((M,), jnp.bool_),
+                                    spec((M,), jnp.int32), spec((M,), jnp.int32),
+                                    self.mask_spec(M))
+        return self.cache.compile(("sample", n, finish), fn, self.state_spec, inputs)
+
+    def run(self, n: int, chunk: int, k: int, *args: Any) -> tuple[Any, Any]:
+        """Runs the step (n, chunk, k) on `args` (those of `steps.ragged_step` after the
+        params) and, for a one-token step, its sampling program: (state, StepOutput
+        `[k, B + R]`)."""
+        state, out = self.step(n, chunk, k)(*args)
+        if k > 1:
+            return state, out
+        return self.sample(n, self.finish_rows(chunk))(state, out)
+
+    def finish_rows(self, chunk: int) -> int:
+        """R, the prompts that may end in a step with a chunk of `chunk` tokens."""
+        return self.config.max_prefill_batch if chunk else 0
 
     def verify(self, n: int) -> Any:
         """The verify step of rows 0 .. n-1 with `speculative_tokens` drafts each."""
@@ -216,10 +306,81 @@ class StepPrograms:
         """The warmup job of `init`."""
         return [self.init]
 
-    def step_jobs(self) -> list[Job]:
-        """The warmup jobs of every step of `program_grid` and, with speculation, every
-        verify step."""
-        jobs = [functools.partial(self.step, *shape) for shape in program_grid(self.config)]
-        if self.config.speculative_tokens:
-            jobs += [functools.partial(self.verify, n) for n in self.config.mixed_row_buckets]
-        return jobs
+    def ready(self, n: int, chunk: int, k: int) -> bool:
+        """True when the step (n, chunk, k) and its sampling program are both compiled."""
+        if self.cache.get(("step", n, chunk, k)) is None:
+            return False
+        return k > 1 or self.cache.get(("sample", n, self.finish_rows(chunk))) is not None
+
+    def decode_rows(self, top: int) -> int:
+        """The rows n a decode step over slots 0 .. top-1 computes: the smallest active-slot
+        bucket holding them, or, while the grid compiles in the background and that one is
+        not ready, the smallest ready one above it (so that no request waits for a compile)."""
+        cfg = self.config
+        exact = cfg.rows_for(top)
+        if self.cache.compiling:
+            for n in cfg.active_slot_buckets:
+                if n >= exact and self.ready(n, 0, cfg.decode_steps):
+                    return n
+        return exact
+
+    def mixed_shape(self, top: int, tokens: int) -> tuple[int, int]:
+        """The (n, C) of a step with a chunk of `tokens` prompt tokens beside slots
+        0 .. top-1: the smallest buckets holding them, or, while the grid compiles in the
+        background and that step is not ready, the smallest ready one above it."""
+        cfg = self.config
+        n0 = next(r for r in cfg.mixed_row_buckets if top <= r)
+        c0 = cfg.chunk_bucket_for(tokens)
+        if self.cache.compiling:
+            for c in cfg.chunk_buckets:
+                for n in cfg.mixed_row_buckets:
+                    if c >= c0 and n >= n0 and self.ready(n, c, 1):
+                        return n, c
+        return n0, c0
+
+    def verify_rows(self, top: int) -> int:
+        """The rows a verify step over slots 0 .. top-1 computes (as `mixed_shape`'s n)."""
+        cfg = self.config
+        n0 = next(r for r in cfg.mixed_row_buckets if top <= r)
+        if self.cache.compiling:
+            for n in cfg.mixed_row_buckets:
+                key = ("verify", n, cfg.speculative_tokens)
+                if n >= n0 and self.cache.get(key) is not None:
+                    return n
+        return n0
+
+    def chunk_limit(self) -> int:
+        """The most prompt tokens one step may carry now: `max_prefill_len`, or, while the
+        grid compiles in the background, the largest chunk bucket ready for every row count
+        (so that `mixed_shape` always finds a ready step for a chunk within it)."""
+        cfg = self.config
+        if self.cache.compiling:
+            rows = cfg.mixed_row_buckets[-1]
+            ready = [c for c in cfg.chunk_buckets if self.ready(rows, c, 1)]
+            if ready:
+                return ready[-1]
+        return cfg.max_prefill_len
+
+    def step_jobs(self, part: str = "all") -> list[Job]:
+        """The warmup jobs of the steps of `program_grid`, each after its sampling program,
+        and, with speculation, the verify steps. part: "all"; "first", the few that serve
+        any request (the largest row bucket's decode step, its step with the smallest
+        chunk, the largest verify step); "rest", the others, cheapest and most used first
+        (decode buckets upwards, then chunks upwards): a server compiles them in the
+        background (`ProgramCache.warmup_in_background`) while it serves."""
+        cfg = self.config
+        B, k, rows = cfg.max_slots, cfg.decode_steps, cfg.mixed_row_buckets
+        first = [(B, 0, k), (rows[-1], cfg.chunk_buckets[0], 1)]
+        rest = [(n, 0, k) for n in cfg.active_slot_buckets if n != B]
+        rest += [(n, c, 1) for c in cfg.chunk_buckets for n in rows if (n, c, 1) not in first]
+        shapes = {"all": first + rest, "first": first, "rest": rest}[part]
+        spec_rows = rows if cfg.speculative_tokens else ()
+        verify = {"all": spec_rows, "first": spec_rows[-1:], "rest": spec_rows[:-1]}[part]
+        jobs: list[Job] = []
+        sampled: set[tuple[int, int]] = set()
+        for n, c, steps_k in shapes:
+            if steps_k == 1 and (n, self.finish_rows(c)) not in sampled:
+                sampled.add((n, self.finish_rows(c)))
+                jobs.append(functools.partial(self.sample, n, self.finish_rows(c)))
+            jobs.append(functools.partial(self.step, n, c, steps_k))
+        return jobs + [functools.partial(self.verify, n) for n in verify]

@@ -93,6 +93,58 @@ class ChunkInputs:
     image_rows: jax.Array | None = None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleInputs:
+    """What a ragged step hands its sampling program (`sample_rows`): the M = n + R rows
+    that draw a token this step, decode rows 0 .. n-1 first, then the R prompts that may end
+    in its chunk.
+
+    logits: [M, V] float32, the model's logits of each; rows: [M] int32, each one's row of
+    the state (in 0 .. B-1: a padding entry names some row, its draw is discarded); write:
+    [M] bool, whether the token becomes the row's next input (a decoding row, a prompt that
+    ended); lengths: [M] int32, the valid positions of each row's token history; steps: [M]
+    int32, the step index folded into each row's key; allowed: [M, W] uint32 grammar masks.
+    """
+
+    logits: jax.Array
+    rows: jax.Array
+    write: jax.Array
+    lengths: jax.Array
+    steps: jax.Array
+    allowed: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleShape:
+    """The static shape of one sampling program: n decode rows and R finishing prompts
+    (M = n + R rows drawn; the output has B + R columns)."""
+
+    n: int
+    finish: int
+
+
+def sample_rows(sc: SampleConfig, shape: SampleShape, state: DecodeState,
+                inputs: SampleInputs) -> tuple[DecodeState, StepOutput]:
+    """The sampling half of a one-token ragged step, its own program (compiled once per
+    `SampleShape`, not copied into every step shape): each of the M rows of `inputs` draws
+    its next token with its own settings and token history as the step left them in
+    `state` (state donated); the rows with `write` take it as their next input. Returns the
+    state and StepOutput `[1, B + R]` (column b: decode row b, B + r: the r-th finishing
+    prompt; columns n .. B-1 zeros)."""
+    B, n = state.tokens.shape[0], shape.n
+    rows = inputs.rows
+    gather = functools.partial(jax.tree.map, lambda a: a[rows])
+    res = sample(inputs.logits, gather(state.sampling), gather(state.history), inputs.lengths,
+                 inputs.steps, sc.num_top, sc.logprobs_mode, inputs.allowed)
+    tokens = state.tokens.at[jnp.where(inputs.write, rows, B)].set(res.tokens, mode="drop")
+    out = _as_output(res)
+    dec = pad_columns(jax.tree.map(lambda a: a[:, :n], out), B)
+    fin = jax.tree.map(lambda a: a[:, n:], out)
+    return (dataclasses.replace(state, tokens=tokens),
+            jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), dec, fin))
+
+
 def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
                cache_dtype: jnp.dtype, source_len: int = 0, image_rows: int = 0,
                float_dtype: jnp.dtype | None = None) -> DecodeState:
@@ -163,8 +215,10 @@ def slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array,
 def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: LayerParams,
                 state: DecodeState, page_table: jax.Array, active: jax.Array,
                 allowed: jax.Array, chunk: ChunkInputs | None, lora: tuple | None = None,
-                lora_mix: jax.Array | None = None) -> tuple[DecodeState, StepOutput]:
-    """One engine call: k decode steps of rows `0 .. n-1`, or one step that also runs a chunk.
+                lora_mix: jax.Array | None = None
+                ) -> tuple[DecodeState, SampleInputs | StepOutput]:
+    """One engine call: one decode step of rows `0 .. n-1`, which may also run a chunk, up to
+    the logits (k = 1); or k > 1 decode steps, each sampling inside the call.
 
     page_table: [B, PPS] int32 (the host's `PageTable.table`, covering every position this
     call writes); active: [B] bool, the rows that decode (held rows keep their state);
@@ -172,14 +226,17 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
     (None when `shape.chunk` is 0); lora: per layer the adapter slots' weights
     (`models/lora.py`; None: an engine without adapters), lora_mix: [B, N] float32, each
     row's weight per adapter slot (zeros: none). State donated. Each decode row feeds its
-    last token at its position, samples the next with key `fold_in(keys[b], steps[b])` and
-    advances; each prompt that ends in the chunk samples its first token (step 0) from its
-    last token and its row becomes ready to decode. Returns the state and StepOutput `[k, B + R]`.
+    last token at its position and advances; each prompt that ends in the chunk has its
+    last token's logits taken and its row becomes ready to decode (position, step and
+    settings set). With k = 1 returns the state and the `SampleInputs` of `sample_rows`, the
+    program that draws the n + R tokens (the rows' next inputs are written there); with
+    k > 1 (no chunk) each step draws with the fused sampler (`decode_steps`) and the call
+    returns StepOutput `[k, B]`.
     """
     B, pps = state.tokens.shape[0], page_table.shape[1]
     page_size = state.pages[0].shape[1]
     cap = pps * page_size
-    n, C, R = shape.n, shape.chunk, shape.finish
+    n, C = shape.n, shape.chunk
     head_rows = functools.partial(jax.tree.map, lambda a: a[:n])
     live = active[:n]
     dec_table = page_table[:n]
@@ -223,50 +280,24 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         return ragged_layers(graph, params, pages, tokens, positions, layout, n=n, lora=lora,
                              lora_mix=token_mix, images=images)
 
-    def decode_once(carry):
-        pages, positions, tokens, steps_, history = carry
-        history = history.append(tokens, positions, live)
-        x, pages = forward(pages, tokens, positions)
-        return (pages, positions, tokens, steps_, history), x
-
-    sampling = head_rows(state.sampling)
     h = state.history
-
-    def advance(carry, res_tokens):
-        pages, positions, tokens, steps_, history = carry
-        return (pages, jnp.where(live, jnp.minimum(positions + 1, cap), positions),
-                jnp.where(live, res_tokens, tokens), jnp.where(live, steps_ + 1, steps_),
-                history)
-
-    carry = (state.pages, state.positions[:n], state.tokens[:n], state.steps[:n],
-             head_rows(h))
-    if C == 0:
-        def one(carry, _):
-            carry, x = decode_once(carry)
-            _, positions, _, steps_, history = carry
-            res = sample(head(graph, params, x), sampling, history, positions + 1, steps_,
-                         sc.num_top, sc.logprobs_mode, allowed[:n])
-            return advance(carry, res.tokens), res
-
-        if shape.decode_steps == 1:
-            carry, res = one(carry, None)
-            out = _as_output(res)
-        else:
-            carry, res = jax.lax.scan(one, carry, None, length=shape.decode_steps)
-            out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
-        pages, positions, tokens, steps_, dec_history = carry
-        history = TokenHistory(h.tokens.at[:n].set(dec_history.tokens),
-                               h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
-        new = DecodeState(pages, state.positions.at[:n].set(positions),
-                          state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
-                          state.sampling, history, state.cross, state.images)
-        return new, pad_columns(out, B + R)
-
-    # A step with a chunk: one decode step of rows 0 .. n-1 plus the chunk's tokens.
-    carry, x = decode_once(carry)
-    pages, positions, tokens, steps_, dec_history = carry
+    positions, tokens, steps_ = state.positions[:n], state.tokens[:n], state.steps[:n]
+    if shape.decode_steps > 1:
+        return decode_steps(graph, sc, params, state, live, allowed[:n], forward, cap,
+                            shape.decode_steps)
+    dec_history = head_rows(h).append(tokens, positions, live)
+    x, pages = forward(state.pages, tokens, positions)
     history = TokenHistory(h.tokens.at[:n].set(dec_history.tokens),
                            h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
+    new_positions = state.positions.at[:n].set(
+        jnp.where(live, jnp.minimum(positions + 1, cap), positions))
+    new_steps = state.steps.at[:n].set(jnp.where(live, steps_ + 1, steps_))
+    dec_rows = jnp.arange(n, dtype=jnp.int32)
+    if C == 0:
+        new = dataclasses.replace(state, pages=pages, positions=new_positions,
+                                  steps=new_steps, history=history)
+        return new, SampleInputs(head(graph, params, x), dec_rows, live, positions + 1,
+                                 steps_, allowed[:n])
     # The chunk's prompt tokens go into their rows' histories; a row whose chunk starts at
     # position 0 starts afresh (counts and prompt_seen cleared first).
     real = chunk.rows >= 0
@@ -280,34 +311,56 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
     history = TokenHistory(
         history.tokens.at[rows, chunk.positions].set(chunk.tokens, mode="drop"), counts, seen)
     finish_rows = chunk.finish_rows
-    fr = jnp.clip(finish_rows, 0, B - 1)
     last_pos = chunk.positions[chunk.finish_index]
-    fin_history = TokenHistory(history.tokens[fr], history.counts[fr], history.prompt_seen[fr])
-    rows_history = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dec_history, fin_history)
-    rows_sampling = jax.tree.map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]),
-                                 sampling, chunk.sampling)
-    hidden = jnp.concatenate([x[:n], x[n + chunk.finish_index]])
-    res = sample(head(graph, params, hidden), rows_sampling, rows_history,
-                 jnp.concatenate([positions + 1, last_pos + 1]),
-                 jnp.concatenate([steps_, chunk.finish_steps]), sc.num_top,
-                 sc.logprobs_mode, jnp.concatenate([allowed[:n], chunk.allowed]))
-    carry = advance(carry, res.tokens[:n])
-    _, positions, tokens, steps_, _ = carry
-    new_positions = state.positions.at[:n].set(positions)
-    new_tokens = state.tokens.at[:n].set(tokens)
-    new_steps = state.steps.at[:n].set(steps_)
     new = DecodeState(
         pages,
         new_positions.at[finish_rows].set(last_pos + 1, mode="drop"),
-        new_tokens.at[finish_rows].set(res.tokens[n:], mode="drop"),
+        state.tokens,
         new_steps.at[finish_rows].set(chunk.finish_steps + 1, mode="drop"),
         state.sampling.set_rows(finish_rows, chunk.sampling), history, state.cross,
         state.images)
-    out = _as_output(res)  # [1, n + R]: decode rows, then the finished prompts
-    dec = jax.tree.map(lambda a: a[:, :n], out)
-    fin = jax.tree.map(lambda a: a[:, n:], out)
-    dec = pad_columns(dec, B)
-    return new, jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), dec, fin)
+    hidden = jnp.concatenate([x[:n], x[n + chunk.finish_index]])
+    return new, SampleInputs(
+        head(graph, params, hidden),
+        jnp.concatenate([dec_rows, jnp.clip(finish_rows, 0, B - 1)]),
+        jnp.concatenate([live, (finish_rows >= 0) & (finish_rows < B)]),
+        jnp.concatenate([positions + 1, last_pos + 1]),
+        jnp.concatenate([steps_, chunk.finish_steps]),
+        jnp.concatenate([allowed[:n], chunk.allowed]))
+
+
+def decode_steps(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state: DecodeState,
+                 live: jax.Array, allowed: jax.Array, forward, cap: int,
+                 k: int) -> tuple[DecodeState, StepOutput]:
+    """k > 1 decode steps of rows 0 .. n-1 in one call (`ragged_step`'s multi-step form), the
+    sampler fused into each: live [n] bool, the rows that decode; allowed [n, W] uint32;
+    forward: the model over (pages, tokens [n], positions [n]) -> (hidden [n, E], pages);
+    cap: the positions a row may hold. Returns the state and StepOutput `[k, B]`."""
+    B, n = state.tokens.shape[0], live.shape[0]
+    h = state.history
+    sampling = jax.tree.map(lambda a: a[:n], state.sampling)
+
+    def one(carry, _):
+        pages, positions, tokens, steps_, history = carry
+        history = history.append(tokens, positions, live)
+        x, pages = forward(pages, tokens, positions)
+        res = sample(head(graph, params, x), sampling, history, positions + 1, steps_,
+                     sc.num_top, sc.logprobs_mode, allowed)
+        return (pages, jnp.where(live, jnp.minimum(positions + 1, cap), positions),
+                jnp.where(live, res.tokens, tokens), jnp.where(live, steps_ + 1, steps_),
+                history), res
+
+    carry = (state.pages, state.positions[:n], state.tokens[:n], state.steps[:n],
+             jax.tree.map(lambda a: a[:n], h))
+    carry, res = jax.lax.scan(one, carry, None, length=k)
+    out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
+    pages, positions, tokens, steps_, dec_history = carry
+    history = TokenHistory(h.tokens.at[:n].set(dec_history.tokens),
+                           h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
+    new = DecodeState(pages, state.positions.at[:n].set(positions),
+                      state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
+                      state.sampling, history, state.cross, state.images)
+    return new, pad_columns(out, B)
 
 
 def pad_columns(out: StepOutput, columns: int) -> StepOutput:

@@ -2,7 +2,8 @@
 
 A step runs every decoding row's token plus a chunk of C prompt tokens, made of pieces of
 several prompts (`Piece`s, in admission order). The plan fills the largest chunk bucket that
-the waiting prompt tokens cover (the last piece cut to fit; the rest rides along the next
+the waiting prompt tokens cover, within `engine.chunk_limit` (smaller while the grid still
+compiles in the background; the last piece cut to fit; the rest rides along the next
 step), keeps the cost of pieces that attend to a context (a prompt's later piece, or one after
 a shared prefix) within the step's budget (`engine.step_cost`), lets at most
 `max_prefill_batch` prompts finish, and leaves the pages the decoding rows need. The prefix
@@ -30,6 +31,7 @@ class _Budget:
     target: int  # the chunk bucket the pieces fill (tokens)
     flops: float  # the cost left for pieces after a context (`step_cost.budget`)
     image_slots: int  # free slots of the image pool
+    limit: int  # the most prompt tokens the step may carry (`engine.chunk_limit`)
     used: int = 0  # prompt tokens chosen
     finishing: int = 0  # pieces chosen that end their prompt
     full: bool = False  # no further piece fits this step
@@ -63,8 +65,9 @@ class ChunkPlanner:
         for slot in self.rows.prefilling:
             self.share_prefix(slot, self.rows[slot], decode_need)
         images = self.engine.images
-        budget = _Budget(self._target(), self.engine.step_cost.budget,
-                         images.free_slots if images is not None else 0)
+        limit = self.engine.chunk_limit
+        budget = _Budget(self._target(limit), self.engine.step_cost.budget,
+                         images.free_slots if images is not None else 0, limit)
         out: list[tuple[Piece, Sequence]] = []
         for slot in self.rows.prefilling:
             seq = self.rows[slot]
@@ -76,17 +79,17 @@ class ChunkPlanner:
                 out.append((piece, seq))
         return out
 
-    def _target(self) -> int:
-        """The chunk bucket this step fills: the largest that the waiting prompt tokens
-        cover (a step computes no padding but when the prompts left are shorter than the
-        smallest bucket)."""
+    def _target(self, limit: int) -> int:
+        """The chunk bucket this step fills: the largest (up to `limit` tokens) that the
+        waiting prompt tokens cover (a step computes no padding but when the prompts left
+        are shorter than the smallest bucket)."""
         cfg, cost = self.engine.config, self.engine.step_cost
         left = []
         for slot in self.rows.prefilling:
             seq = self.rows[slot]
             rest = len(seq.feed) - seq.fed
             left.append(cost.piece_limit(rest, seq.fed, cost.budget) or cfg.chunk_buckets[0])
-        filled = [c for c in cfg.chunk_buckets if c <= sum(left)]
+        filled = [c for c in cfg.chunk_buckets if c <= min(sum(left), limit)]
         return filled[-1] if filled else cfg.chunk_buckets[0]
 
     def _piece(self, slot: int, seq: Sequence, budget: _Budget, decode_need: int,
@@ -113,7 +116,7 @@ class ChunkPlanner:
             T = self.engine.model_config.vision.tokens_per_image
             images = remaining_images(seq.request.images, start, T)
             new_images = len(self.engine.images.missing(slot, images))
-        if (size <= 0 or budget.used + size > cfg.max_prefill_len
+        if (size <= 0 or budget.used + size > budget.limit
                 or (last and budget.finishing >= cfg.max_prefill_batch)
                 or pages.shortfall(slot, end) > pages.free_pages - decode_need):
             budget.full = True

@@ -55,6 +55,9 @@ from metrale_jax.scheduler.steps import StepRunner
 from metrale_jax.scheduler.validation import RequestValidator
 from metrale_jax.scheduler.waiting import WaitingQueue
 
+WARMUP_MODES = ("serve", "full", "none")
+"""How a `Scheduler` compiles before it serves (its `warmup` argument)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -66,9 +69,12 @@ class Scheduler:
         tokenizer: the model's tokenizer (detokenizing, special ids).
         eos_token_ids: ids that end a request unless `ignore_eos`.
         max_waiting: bound of the waiting queue; `submit` beyond it raises `BusyError`.
-        warmup: compile every program before serving.
+        warmup: "full" (or True): compile every program before serving; "serve": compile
+            the few programs that serve any request, then serve while the rest of the grid
+            compiles in the background (`Engine.warmup(background=True)`); "none" (or
+            False): each program compiles on first use.
         warmup_progress: `progress(done, total)` after each program compiled by warmup
-            (passed to `engine.warmup(progress=...)`; None passes nothing).
+            before serving (passed to `engine.warmup(progress=...)`; None passes nothing).
         loras: LoRA adapters (`weights.lora.LoraAdapter`) by name, loaded into the engine's
             slots in order before serving; a request names one in `SamplingParams.lora`.
 
@@ -77,7 +83,7 @@ class Scheduler:
     """
 
     def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
-                 max_waiting: int = 256, warmup: bool = True,
+                 max_waiting: int = 256, warmup: bool | str = True,
                  warmup_progress: Callable[[int, int], None] | None = None,
                  loras: dict[str, Any] | None = None):
         self.engine = engine
@@ -93,7 +99,9 @@ class Scheduler:
         self._running = True
         self._ready = threading.Event()
         self.startup_error: BaseException | None = None  # set when warmup failed
-        self._warmup = warmup
+        self._warmup = {True: "full", False: "none"}.get(warmup, warmup)  # type: ignore
+        if self._warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {WARMUP_MODES}, not {warmup!r}")
         self._warmup_progress = warmup_progress
         self.stats = collections.Counter()
         self.grammar = GrammarSlots(tokenizer, engine.model_config.vocab_size, self.num_slots)
@@ -225,10 +233,13 @@ class Scheduler:
     # ---- loop thread -------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            if self._warmup and self._warmup_progress is not None:
-                self.engine.warmup(progress=self._warmup_progress)
-            elif self._warmup:
-                self.engine.warmup()
+            if self._warmup != "none":
+                options: dict[str, Any] = {}
+                if self._warmup_progress is not None:
+                    options["progress"] = self._warmup_progress
+                if self._warmup == "serve":
+                    options["background"] = True
+                self.engine.warmup(**options)
             self.steps.reset_state()
             self.loras.load_initial()
         except Exception as e:  # nothing can be served: fail whatever is queued

@@ -247,7 +247,7 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         source_lang=args.source_lang, target_lang=args.target_lang,
         allowed_media_domains=args.allowed_media_domains,
         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-        media_fetch_timeout=args.media_fetch_timeout)
+        media_fetch_timeout=args.media_fetch_timeout, warmup=args.warmup)
     return settings
 
 
@@ -372,6 +372,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "step, copied from the request's own text and verified in one "
                           "forward (same output); the requests' default and maximum "
                           "(\"speculative\": {\"num_tokens\": k}); 0 = off (default)")
+    srv.add_argument("--warmup", choices=["serve", "full", "none"], default="serve",
+                     help="serve (default): compile the few programs that serve any request, "
+                          "answer /health, and compile the rest in the background; full: "
+                          "compile every program before /health; none: compile on first use")
     _media_flags(srv)
     add_language_flags(srv)
     add_logprobs_mode_flag(srv)

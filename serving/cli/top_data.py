@@ -116,6 +116,10 @@ def summary(stats: dict[str, Any], model: TopModel | None = None) -> list[str]:
              f"finished {counters.get('finished', 0)}  tokens {counters.get('tokens', 0)}  "
              f"errors {errors.get('total', 0)}"
              + (f" (loop {counters['loop_errors']})" if counters.get("loop_errors") else "")]
+    compiling = stats.get("background_compile") or {}
+    if compiling.get("total") and not compiling.get("complete"):
+        lines.append(f"compiling the grid in the background  {compiling.get('done', 0)}/"
+                     f"{compiling['total']} programs  {_seconds(compiling.get('seconds'))}")
     cache = stats.get("prefix_cache") or {}
     if cache.get("enabled"):
         rate = cache.get("hit_rate")

@@ -125,11 +125,12 @@ class ModelRuntime:
                     return
             self.loras = self._read_loras(ckpt.config, engine.config)
             self.state = "warming_up"
-            with stage(self.progress if s.warmup else None, COMPILING) as step:
+            with stage(self.progress if s.warmup_mode != "none" else None,
+                       COMPILING) as step:
                 hook = step if self.progress and accepts_keyword(engine.warmup, "progress") \
                     else None
                 self.scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
-                                           max_waiting=s.max_waiting, warmup=s.warmup,
+                                           max_waiting=s.max_waiting, warmup=s.warmup_mode,
                                            warmup_progress=hook, loras=self.loras)
                 self.scheduler.wait_ready()
                 if self.scheduler.startup_error is not None:
@@ -195,7 +196,7 @@ class ModelRuntime:
         if s.process_id == 0:
             return multihost.LeaderEngine(engine, self._channel)
         self.state = "warming_up"
-        if s.warmup:
+        if s.warmup_mode != "none":
             with stage(self.progress, COMPILING) as step:
                 engine.warmup(**progress_kwargs(engine.warmup, step if self.progress else None))
         threading.Thread(target=self._follow, args=(engine,), name="metrale-follower",

@@ -39,7 +39,12 @@ class ServerSettings:
     request_timeout: default per-request deadline in seconds (None = none); a request's own
         `timeout` field overrides it.
     grace_period: seconds in-flight requests may run after SIGTERM before they are cancelled.
-    warmup: compile every engine shape before /health turns 200.
+    warmup: "serve" (the default): compile the few programs that serve any request, turn
+        /health 200, and compile the rest of the grid in the background (meanwhile a step
+        runs in the nearest compiled shape; `/v1/metrale/stats` shows the progress);
+        "full" (or True): compile every engine shape before /health turns 200; "none" (or
+        False): each program compiles on first use. A multi-host server warms up "full"
+        (every process must run the same programs).
     tool_call_parser: the tool-call format of the model's output (`hermes`, `llama3_json`,
         `mistral`), "none", or "auto" (from the chat template); serving/http/tools/parsers.py.
     reasoning_parser: the thinking format (`think`, `deepseek_r1`), "none", or "auto" (`think`
@@ -85,7 +90,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float | None = 600.0
     grace_period: float = 30.0
-    warmup: bool = True
+    warmup: str | bool = "serve"
     process_id: int = 0
     num_processes: int = 1
     tool_call_parser: str = "auto"
@@ -99,6 +104,13 @@ class ServerSettings:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
     media_fetch_timeout: float = 10.0
+
+    @property
+    def warmup_mode(self) -> str:
+        """`warmup` as one of "serve", "full" and "none" (True and False: full and none; a
+        multi-host server: full, unless none)."""
+        mode = {True: "full", False: "none"}.get(self.warmup, self.warmup)  # type: ignore
+        return "full" if self.num_processes > 1 and mode == "serve" else str(mode)
 
     @property
     def model_name(self) -> str:

@@ -82,8 +82,10 @@ def stats_body(state: Any) -> dict[str, Any]:
         snap = scheduler.snapshot()
         slots, waiting, counters = snap["slots"], snap["waiting"], snap["stats"]
         compiles = scheduler.engine.compile_count
+        compiling = scheduler.engine.compile_status()["background"]
     else:
         slots, waiting, counters, compiles = [], 0, {}, 0
+        compiling = {"done": 0, "total": 0, "complete": False, "seconds": 0.0}
     running = _running(slots)
     tenants = state.access.tenants()
     if tenants is not None:
@@ -111,6 +113,7 @@ def stats_body(state: Any) -> dict[str, Any]:
         "waiting": waiting,
         "requests_active": state.active,
         "compiles": compiles,
+        "background_compile": compiling,
         "counters": {k: int(counters.get(k, 0)) for k in COUNTERS},
         "prefix_cache": prefix_cache,
         "errors": state.errors.to_dict(),

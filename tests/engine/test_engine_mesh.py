@@ -144,7 +144,8 @@ def test_slot_buckets_start_at_the_data_axis_and_nothing_recompiles(reports):
         data = r["mesh"][0]
         assert r["buckets"][0] == data and all(b % data == 0 for b in r["buckets"])
         assert r["plan_slots"] == SHAPES["max_slots"]
-        assert r["step_compiles"] <= 1  # one decode program for the bucket in use
+        # one decode program for the bucket in use, and its sampling program
+        assert r["step_compiles"] <= 2
 
 
 if __name__ == "__main__":

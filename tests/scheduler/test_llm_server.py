@@ -19,7 +19,7 @@ def test_a_server_on_the_llm_answers_with_its_tokens_and_leaves_it_running(tiny_
     want = tiny_llm.generate([prompt], greedy)[0]
     engine = tiny_llm.scheduler.engine
     compiled = engine.compile_count
-    settings = ServerSettings(model="tiny", port=0)
+    settings = ServerSettings(model="tiny", port=0, warmup="full")
     with ServerThread(settings, runtime=ModelRuntime.from_llm(tiny_llm, settings)) as server:
         assert server.wait_ready(timeout=60)
         client = OpenAI(base_url=server.url + "/v1", api_key="unused")

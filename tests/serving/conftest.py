@@ -47,7 +47,7 @@ def server(tiny_model):
     settings = ServerSettings(
         model=str(tiny_model), served_model_name=MODEL, port=0, max_slots=8, max_len=MAX_LEN,
         engine_options={"max_prefill_len": 64}, max_body_bytes=256 * 1024,
-        request_timeout=120.0, grace_period=5.0)
+        request_timeout=120.0, grace_period=5.0, warmup="full")
     srv = ServerThread(settings).start()
     assert srv.wait_ready(timeout=600), "the server did not become ready"
     wait_healthy(srv.url)
@@ -249,7 +249,7 @@ def tool_server(tool_model):
     settings = ServerSettings(
         model=str(tool_model), served_model_name=TOOL_MODEL, port=0, max_slots=8,
         max_len=MAX_LEN, engine_options={"max_prefill_len": 64}, request_timeout=120.0,
-        grace_period=5.0)
+        grace_period=5.0, warmup="full")
     srv = ServerThread(settings).start()
     assert srv.wait_ready(timeout=600), "the tool server did not become ready"
     wait_healthy(srv.url)

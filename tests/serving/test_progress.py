@@ -92,7 +92,7 @@ def test_runtime_reports_its_stages_and_the_hooks_steps(tiny_model, monkeypatch)
     monkeypatch.setattr(Engine, "warmup", warmup)
     seen = []
     settings = ServerSettings(model=str(tiny_model), max_slots=8, max_len=MAX_LEN,
-                              engine_options={"max_prefill_len": 64})
+                              engine_options={"max_prefill_len": 64}, warmup="full")
     runtime = ModelRuntime(settings, progress=lambda *a: seen.append(a))
     runtime.start().join(600)
     try:
@@ -118,7 +118,7 @@ def test_runtime_fails_when_warmup_fails(tiny_model, monkeypatch):
 
     monkeypatch.setattr(Engine, "warmup", warmup)
     settings = ServerSettings(model=str(tiny_model), max_slots=8, max_len=MAX_LEN,
-                              engine_options={"max_prefill_len": 64})
+                              engine_options={"max_prefill_len": 64}, warmup="full")
     runtime = ModelRuntime(settings)
     runtime.start().join(600)
     try:

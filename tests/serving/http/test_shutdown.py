@@ -28,7 +28,8 @@ def test_stop_cancels_after_grace_and_answers(tiny_model, schemas):
     from serving.http.settings import ServerSettings
     settings = ServerSettings(model=str(tiny_model), served_model_name=MODEL, port=0,
                               max_slots=8, max_len=MAX_LEN,
-                              engine_options={"max_prefill_len": 64}, grace_period=0.01)
+                              engine_options={"max_prefill_len": 64}, grace_period=0.01,
+                              warmup="full")
     srv = ServerThread(settings).start()
     assert srv.wait_ready(timeout=600)
     body = {"model": MODEL, "prompt": "go", "max_tokens": MAX_LEN - 8, "ignore_eos": True}

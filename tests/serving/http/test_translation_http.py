@@ -43,7 +43,7 @@ def translator(tmp_path_factory):
         model=str(folder), served_model_name=NAME, port=0, max_slots=8, max_len=32,
         engine_options={"max_source_len": 64, "max_prefill_len": 16, "max_prefill_batch": 4},
         source_lang="eng_Latn", target_lang="fra_Latn", request_timeout=120.0,
-        grace_period=5.0)
+        grace_period=5.0, warmup="full")
     srv = ServerThread(settings).start()
     assert srv.wait_ready(timeout=600), "the server did not become ready"
     wait_healthy(srv.url)
