@@ -54,6 +54,7 @@ from metrale_jax.engine.source_encoder import SourceEncoder, check_source
 from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput
 from metrale_jax.engine.step_cost import StepCost
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.host_memory import release_free_memory
 from metrale_jax.models.unrolled import LayerParams
 
 Item = tuple[int, Sequence[int], SlotSettings]
@@ -131,6 +132,7 @@ class Engine:
                                   sh, state_spec)
         self.beams = BeamForks(cfg, self.pages, self.lengths, self.lora_slots, self.sources,
                                self.programs, sh, state_spec)
+        release_free_memory()  # the loading's host copies (GGUF blocks dequantized, casts)
 
     # ---- programs ----------------------------------------------------------------------
     @property

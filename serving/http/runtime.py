@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from metrale_jax.errors import ChatTemplateError, MetraleError
+from metrale_jax.host_memory import release_free_memory
 from serving.http.settings import ServerSettings
 from serving.progress import ProgressFn, accepts_keyword, progress_kwargs, stage
 
@@ -118,6 +119,7 @@ class ModelRuntime:
             # The engine holds its own (per-layer, placed) params: drop the loaded stacked
             # copy, which would double the params' memory beside the memory plan.
             self.checkpoint = ckpt = dataclasses.replace(ckpt, params=None)
+            release_free_memory()
             self.engine_config = engine.config
             if s.num_processes > 1:
                 engine = self._join_processes(engine)
