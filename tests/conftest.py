@@ -59,6 +59,10 @@ os.environ["METRALE_JAX_CACHE"] = str(CACHE)
 # Likewise the C++ kernels built on first use (metrale_jax/kernels/build.py): a clean clone's
 # run builds them once into its own folder, shared by its processes.
 os.environ.setdefault("METRALE_KERNEL_CACHE", str(CACHE.parent / "kernels"))
+# Compiled programs are not stored beside the persistent cache (engine/executable_store.py):
+# a clean run would serialize every program twice; tests/engine/test_executable_store.py
+# turns the store on for itself.
+os.environ["METRALE_EXECUTABLE_CACHE"] = "0"
 
 # (imports jax: after XLA_FLAGS and OMP_NUM_THREADS are set)
 from metrale_jax.engine.programs import enable_compilation_cache  # noqa: E402

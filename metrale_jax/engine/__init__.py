@@ -17,4 +17,5 @@ __all__ = ["DecodeState", "Engine", "EngineConfig", "OutOfPagesError", "Piece", 
 
 # The project packages this package's modules may import besides its own (tests/test_imports.py).
 MAY_IMPORT = ("metrale_jax.config", "metrale_jax.errors", "metrale_jax.host_memory",
-              "metrale_jax.models", "metrale_jax.sampling_fields", "metrale_jax.vision")
+              "metrale_jax.kernels", "metrale_jax.models", "metrale_jax.sampling_fields",
+              "metrale_jax.vision")

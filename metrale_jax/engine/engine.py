@@ -26,6 +26,7 @@ one device or a pod slice the same calls run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,9 +35,10 @@ import numpy as np
 from flax import nnx
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine import bitmask
+from metrale_jax.engine import bitmask, executable_store
 from metrale_jax.engine.beam_forks import BeamForks
 from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.executable_store import ExecutableStore
 from metrale_jax.engine.image_encoder import ImageEncoder, check_images
 from metrale_jax.engine.lora_slots import LoraSlots
 from metrale_jax.engine.pages import PageTable
@@ -116,7 +118,7 @@ class Engine:
         self.shardings = sh = StepShardings(self.mesh, model_config, cfg)
         self._all_allowed: dict[int, Any] = {}  # default grammar bitmasks, on the devices
         # The parts.
-        self.programs = ProgramCache(sh.replicated)
+        self.programs = ProgramCache(sh.replicated, self._store(cfg, model_config))
         self.lora_slots = LoraSlots(cfg, model_config, sh.replicated, self.programs)
         self.step_programs = StepPrograms(self.programs, cfg, model_config, self.graph, sh,
                                           abstract_params(self.params, self.mesh),
@@ -133,6 +135,15 @@ class Engine:
         self.beams = BeamForks(cfg, self.pages, self.lengths, self.lora_slots, self.sources,
                                self.programs, sh, state_spec)
         release_free_memory()  # the loading's host copies (GGUF blocks dequantized, casts)
+
+    @staticmethod
+    def _store(cfg: EngineConfig, model_config: ModelConfig) -> ExecutableStore | None:
+        """The compiled programs kept beside the persistent compilation cache (None without
+        one, or when `executable_store.enabled()` says no)."""
+        if cfg.compilation_cache_dir is None or not executable_store.enabled():
+            return None
+        folder = os.path.join(os.path.expanduser(cfg.compilation_cache_dir), "executables")
+        return ExecutableStore(folder, executable_store.fingerprint(cfg, model_config))
 
     # ---- programs ----------------------------------------------------------------------
     @property

@@ -46,6 +46,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine import compilation_cache, speculative, steps
 from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
+from metrale_jax.engine.executable_store import ExecutableStore
 from metrale_jax.engine.placement import StepShardings
 from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.host_memory import release_free_memory
@@ -90,12 +91,15 @@ class ProgramCache:
     """Compiled executables by key (e.g. `("step", n, C, k)`), each compiled once.
 
     replicated: the sharding given to every input spec that has none (host inputs are small
-    and every process passes the same values). Attributes: compile_count, programs compiled
-    so far; compiled_on, the name of the thread that compiled each key (warmups compile on
-    `COMPILE_THREAD` threads; any other name: a program compiled on first use)."""
+    and every process passes the same values); store: where compiled programs are kept and
+    loaded from without tracing (`executable_store.py`; None: nowhere). Attributes:
+    compile_count, programs compiled (or loaded) so far; compiled_on, the name of the thread
+    that compiled each key (warmups compile on `COMPILE_THREAD` threads; any other name: a
+    program compiled on first use)."""
 
-    def __init__(self, replicated: NamedSharding):
+    def __init__(self, replicated: NamedSharding, store: ExecutableStore | None = None):
         self.replicated = replicated
+        self.store = store
         self.compile_count = 0
         self._compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
@@ -119,7 +123,12 @@ class ProgramCache:
         if exe is not None:
             return exe
         t0 = time.perf_counter()
-        exe = fn.lower(*self._placed(specs)).compile()
+        placed = self._placed(specs)
+        exe = self.store.load(key, placed) if self.store is not None else None
+        if exe is None:
+            exe = fn.lower(*placed).compile()
+            if self.store is not None:
+                self.store.save(key, placed, exe)
         with self._lock:
             if key not in self._compiled:
                 self._compiled[key] = exe

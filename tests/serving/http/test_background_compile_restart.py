@@ -1,6 +1,7 @@
 """`metrale serve` (default `--warmup serve`) answers while the rest of its grid compiles in the
 background, shows the progress in `/v1/metrale/stats`, and a server killed (SIGKILL) during
-that compile restarts cleanly from its persistent compilation cache, then completes the grid."""
+that compile restarts cleanly from its persistent compilation cache and stored programs
+(engine/executable_store.py), then completes the grid."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def _serve(tiny_model):
 def test_killed_during_the_background_compile_restarts_from_the_cache(tiny_model, tmp_path,
                                                                       monkeypatch):
     monkeypatch.setenv("METRALE_JAX_CACHE", str(tmp_path / "jax"))  # empty: a cold start
+    monkeypatch.setenv("METRALE_EXECUTABLE_CACHE", "1")  # programs stored, loaded untraced
     proc, url = _serve(tiny_model)
     try:
         compiling = _stats(url)["background_compile"]

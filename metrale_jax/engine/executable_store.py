@@ -1,0 +1,138 @@
+"""Compiled programs kept on disk and loaded without tracing: what makes a warm start load.
+
+JAX's persistent compilation cache (`compilation_cache.py`) skips XLA's compile on a second
+start, but every program is still traced and lowered first, since its key is a hash of the
+lowered module: for the default model about a quarter of a warm start's program time (the
+sampler alone traces in ~0.3 s). `ExecutableStore` keeps each `ProgramCache` program's
+serialized executable (`jax.experimental.serialize_executable`) under a key made of the
+program's own key and input specs and of an engine *fingerprint* (everything else a program
+depends on): the source of `metrale_jax` (every .py, .cc and .h file), the versions of jax and
+jaxlib, the backend and its devices, XLA_FLAGS and the METRALE_ environment, the engine and
+model configs, and which CPU kernels are available (their check also registers them, which a
+loaded program needs before it runs). Any change makes new keys: a stale program is never
+loaded. Entries are written whole or not at all (a temporary file renamed into place), so a
+process killed mid-write leaves the store usable; an entry that fails to load is dropped and
+the program compiled again.
+
+On by default beside the persistent cache (`EngineConfig.compilation_cache_dir`, in its
+`executables/` folder); `METRALE_EXECUTABLE_CACHE=0` turns it off (the test suite does, and
+tests it on its own), and a multi-process run never uses it (each process must compile the
+same programs in step).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+
+log = logging.getLogger(__name__)
+
+SWITCH = "METRALE_EXECUTABLE_CACHE"
+"""The environment variable that turns the store off ("0", "false", "off", "no")."""
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of every .py, .cc and .h file of the `metrale_jax` package (path and bytes)."""
+    h = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*")):
+        if path.suffix in (".py", ".cc", ".h") and "__pycache__" not in path.parts:
+            h.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _kernels() -> str:
+    """Which CPU kernels this process has (registered as a side effect), on CPU only."""
+    if jax.default_backend() != "cpu":
+        return ""
+    from metrale_jax.kernels import decode_attention, int4_matmul, int8_matmul
+    return ",".join(f"{m.__name__}={m.available()}"
+                    for m in (decode_attention, int4_matmul, int8_matmul))
+
+
+def enabled() -> bool:
+    """False when METRALE_EXECUTABLE_CACHE says off, or in a multi-process run."""
+    off = os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+    return not off and jax.process_count() == 1
+
+
+def fingerprint(*parts: Any) -> str:
+    """The engine fingerprint of the module docstring, with `parts` (e.g. the engine and
+    model configs) added by their repr."""
+    import jaxlib
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith(("METRALE_", "XLA_", "JAX_")) and k != SWITCH)
+    devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+    h = hashlib.sha256()
+    for part in (source_digest(), jax.__version__, jaxlib.__version__, devices, env,
+                 _kernels(), *parts):
+        h.update(repr(part).encode() + b"\0")
+    return h.hexdigest()
+
+
+def specs_signature(specs: Any) -> str:
+    """The tree structure, shapes, dtypes and shardings of a program's input specs."""
+    leaves, tree = jax.tree.flatten(specs)
+    return repr((str(tree), [(getattr(s, "shape", None), str(getattr(s, "dtype", None)),
+                              repr(getattr(s, "sharding", None))) for s in leaves]))
+
+
+class ExecutableStore:
+    """Serialized executables in `folder`, keyed under an engine `fingerprint`."""
+
+    def __init__(self, folder: str | Path, fingerprint_: str):
+        self.folder = Path(folder).expanduser()
+        self.fingerprint = fingerprint_
+        self.loaded = 0  # programs loaded from the store so far
+        self._lock = threading.Lock()
+
+    def path(self, key: tuple, specs: Any) -> Path:
+        """The file of program `key` with input `specs`."""
+        h = hashlib.sha256(f"{self.fingerprint}|{key!r}|{specs_signature(specs)}".encode())
+        return self.folder / f"{h.hexdigest()}.exe"
+
+    def load(self, key: tuple, specs: Any) -> Any | None:
+        """The stored executable of `key` / `specs`, or None (missing, or unreadable: then
+        dropped)."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+        path = self.path(key, specs)
+        try:
+            payload = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            exe = deserialize_and_load(*pickle.loads(payload))
+        except Exception as e:
+            log.warning("dropping unreadable stored program %s (%s): %s", key, path.name, e)
+            path.unlink(missing_ok=True)
+            return None
+        with self._lock:
+            self.loaded += 1
+        return exe
+
+    def save(self, key: tuple, specs: Any, exe: Any) -> None:
+        """Stores `exe`, the executable of `key` / `specs` (written to a temporary file and
+        renamed into place; a failure is logged and ignored)."""
+        from jax.experimental.serialize_executable import serialize
+        path = self.path(key, specs)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(pickle.dumps(serialize(exe)))
+            os.replace(tmp, path)
+        except Exception as e:
+            log.warning("could not store program %s: %s", key, e)
+            tmp.unlink(missing_ok=True)
+
+
+__all__ = ["SWITCH", "ExecutableStore", "enabled", "fingerprint", "source_digest",
+           "specs_signature"]
