@@ -163,36 +163,34 @@ def _scanned_layers(graph: LayerGraph, params: StackedLayerParams, pages: jax.Ar
                     x: jax.Array, positions: jax.Array, layout: StepLayout, *, n: int,
                     lora: tuple | None, lora_mix: jax.Array | None
                     ) -> tuple[jax.Array, jax.Array]:
-    """`ragged_layers`' scanned form: x [T, E] through a `lax.scan` over groups of
+    """`ragged_layers`' scanned form: x [T, E] through a loop over groups of
     `layer_group(cfg)` layers (each group's layers unrolled in the body); pages
     `[L, N, ps, 2K, D]` carried as `[L*N, ps, 2K, D]`, each layer addressed by
-    `layer_layout`. Per-layer LoRA weights are stacked into the scan's inputs."""
+    `layer_layout`. The stacked weights are indexed in the body (`[layer]`), not reshaped into
+    groups nor passed as scan inputs: either makes XLA:CPU copy every stacked weight into the
+    loop on each call. Per-layer LoRA weights are stacked first (the adapters are small)."""
     cfg = graph.cfg
-    L, N = pages.shape[0], pages.shape[1]
+    L, N, ps = pages.shape[0], pages.shape[1], pages.shape[2]
     G = layer_group(cfg)
     sliding = [bool(s) for s in cfg.layer_is_sliding[:G]]
-    group = jax.tree.map(lambda a: a.reshape(L // G, G, *a.shape[1:]), params.blocks)
-    lora_xs = None
-    if lora is not None:
-        stacked = jax.tree.map(lambda *a: jnp.stack(a), *lora)
-        lora_xs = jax.tree.map(lambda a: a.reshape(L // G, G, *a.shape[1:]), stacked)
-    ps = pages.shape[2]
+    stacked_lora = None if lora is None else jax.tree.map(lambda *a: jnp.stack(a), *lora)
 
-    def body(carry, xs):
+    def at(tree, layer):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False),
+                            tree)
+
+    def body(i, carry):
         h, pool = carry
-        i, blocks, lw = xs
         for j in range(G):
             layer = i * G + j
-            step = layer_layout(layout, layer, N, ps)
-            state = jax.tree.map(lambda a, j=j: a[j], blocks)
-            w = None if lw is None else jax.tree.map(lambda a, j=j: a[j], lw)
-            h, pool = decoder_layer(nnx.merge(graph.block_def, state), h, positions, pool,
-                                    step, w, lora_mix, sliding=sliding[j], n=n)
-        return (h, pool), None
+            w = None if stacked_lora is None else at(stacked_lora, layer)
+            block = nnx.merge(graph.block_def, at(params.blocks, layer))
+            h, pool = decoder_layer(block, h, positions, pool, layer_layout(layout, layer, N, ps),
+                                    w, lora_mix, sliding=sliding[j], n=n)
+        return h, pool
 
     flat = pages.reshape(L * N, *pages.shape[2:])
-    xs = (jnp.arange(L // G, dtype=jnp.int32), group, lora_xs)
-    (x, flat), _ = jax.lax.scan(body, (x, flat), xs)
+    x, flat = jax.lax.fori_loop(0, L // G, body, (x, flat))
     return x, flat.reshape(pages.shape)
 
 
