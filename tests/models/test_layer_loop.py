@@ -130,12 +130,13 @@ def random_adapter(cfg, rank: int = 4):
 
 
 def decode(engine, adapter) -> dict[int, tuple[list[int], list[float]]]:
-    """Three prompts (one chunked, one greedy with the adapter from its second token, one
-    seeded), then 5 decode steps; a beam-style page copy of row 0's first page onto a fresh
-    page in between (`beam_set`). Returns {slot: (tokens, logprobs)}."""
+    """Four prompts (one chunked, one greedy with the adapter from its second token, the same
+    prompt without it, one seeded), then 5 decode steps; a beam-style page copy of row 0's
+    first page onto a fresh page in between (`beam_set`). Returns {slot: (tokens, logprobs)}."""
     rng = np.random.default_rng(4)
+    short = rng.integers(0, TINY.vocab_size, 9).tolist()
     items = [(0, rng.integers(0, TINY.vocab_size, 40).tolist(), SlotSettings()),
-             (1, rng.integers(0, TINY.vocab_size, 9).tolist(), SlotSettings()),
+             (1, short, SlotSettings()), (2, short, SlotSettings()),
              (3, rng.integers(0, TINY.vocab_size, 17).tolist(),
               SlotSettings(temperature=1.0, seed=7))]
     engine.set_lora(0, adapter)
@@ -187,6 +188,7 @@ def test_an_engine_in_scanned_form_gives_the_unrolled_tokens():
         engine = make_engine(cfg, graphdef, params, layer_loop=loop, **ENGINE)
         assert isinstance(engine.params, StackedLayerParams) == (loop == "scan")
         runs[loop] = decode(engine, adapter)
+        assert runs[loop][1][0] != runs[loop][2][0]  # the adapter changes row 1's tokens
     assert runs["scan"].keys() == runs["unrolled"].keys()
     for slot, (tokens, logprobs) in runs["unrolled"].items():
         assert runs["scan"][slot][0] == tokens, slot
