@@ -200,3 +200,16 @@ def test_an_encoder_decoder_refuses_the_scan():
     cfg = SimpleNamespace(is_encoder_decoder=True, quantization=None)
     with pytest.raises(InvalidParameterError, match="layer_loop"):
         place_params(cfg, None, {}, EngineConfig(layer_loop="scan"), None)
+
+
+def test_speculative_verify_in_scanned_form_gives_the_decode_tokens():
+    """Verify steps (`engine/speculative.py`) run the scanned layers too: the tokens of
+    decode steps, with drafts accepted."""
+    from tests.engine.test_speculative import K, _decode, _speculate
+    graphdef, params = nnx.split(Transformer(TINY, rngs=nnx.Rngs(0)))
+    params = jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, params)
+    engine = make_engine(TINY, graphdef, params, layer_loop="scan", speculative_tokens=K)
+    reference = _decode(engine, SlotSettings())
+    tokens, accepted = _speculate(engine, SlotSettings(), reference)
+    assert tokens == reference
+    assert accepted >= 10
