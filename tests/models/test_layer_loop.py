@@ -213,3 +213,15 @@ def test_speculative_verify_in_scanned_form_gives_the_decode_tokens():
     tokens, accepted = _speculate(engine, SlotSettings(), reference)
     assert tokens == reference
     assert accepted >= 10
+
+
+def test_the_cli_flag_sets_the_engine_setting():
+    import argparse
+
+    from serving.cli.scale import add_scale_flags, engine_options
+    parser = argparse.ArgumentParser()
+    add_scale_flags(parser, processes=False)
+    assert engine_options(parser.parse_args(["--layer-loop", "scan"]))["layer_loop"] == "scan"
+    assert "layer_loop" not in engine_options(parser.parse_args([]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--layer-loop", "rolled"])
