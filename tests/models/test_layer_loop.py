@@ -225,3 +225,22 @@ def test_the_cli_flag_sets_the_engine_setting():
     assert "layer_loop" not in engine_options(parser.parse_args([]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--layer-loop", "rolled"])
+
+
+def test_llava_language_model_runs_scanned(tmp_path):
+    """A tiny LLaVA's language model in scanned form: transformers' greedy tokens for a
+    prompt with an image (`tests/scheduler/test_vision.py`'s check, one image)."""
+    from devtools.llava_models import build_llava_folder
+    from metrale_jax import LLM
+    from tests.scheduler.test_vision import _prompt, _reference, _run
+    hf = build_llava_folder(tmp_path, "clip", "llama")
+    llm = LLM(tmp_path, max_slots=4, max_len=128, max_prefill_len=16, max_prefill_batch=2,
+              max_images=3, layer_loop="scan")
+    try:
+        assert isinstance(llm.scheduler.engine.params, StackedLayerParams)
+        ids, images, pixels = _prompt(llm, 1, "What is in the picture?", seed=1)
+        handle, collect = _run(llm, ids, images)
+        want, _ = _reference(hf, ids, pixels)
+        assert list(collect(handle).token_ids) == want
+    finally:
+        llm.close()
