@@ -178,14 +178,16 @@ def copy_first_page(engine, state):
     return out
 
 
-def test_an_engine_in_scanned_form_gives_the_unrolled_tokens():
+@pytest.mark.parametrize("quantized", [{}, {"quantization": "int8", "cache_dtype": "int8"}],
+                         ids=["float32", "int8-weights-and-cache"])
+def test_an_engine_in_scanned_form_gives_the_unrolled_tokens(quantized):
     cfg = dataclasses.replace(TINY, num_layers=LAYERS)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     params = jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, params)
     adapter = random_adapter(cfg)
     runs = {}
     for loop in ("unrolled", "scan"):
-        engine = make_engine(cfg, graphdef, params, layer_loop=loop, **ENGINE)
+        engine = make_engine(cfg, graphdef, params, layer_loop=loop, **ENGINE, **quantized)
         assert isinstance(engine.params, StackedLayerParams) == (loop == "scan")
         runs[loop] = decode(engine, adapter)
         assert runs[loop][1][0] != runs[loop][2][0]  # the adapter changes row 1's tokens
