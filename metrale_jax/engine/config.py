@@ -14,12 +14,22 @@ import dataclasses
 import math
 import os
 
+import jax
+
 from metrale_jax.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from metrale_jax.engine.sharding import check_mesh_shape, parse_mesh
 from metrale_jax.errors import InvalidParameterError
+from metrale_jax.models.scanned import LAYER_LOOPS
 
 DEFAULT_CACHE_DIR = "~/.cache/metrale/jax"
 DEFAULT_PAGE_SIZE = 16
+
+
+def default_layer_loop(backend: str | None = None) -> str:
+    """The layer loop of an engine that does not choose one, on `backend` (None: JAX's
+    default): "unrolled" on CPU (a decode step of the scanned form is slower there:
+    docs/performance.md, "Layer loop"), "scan" elsewhere."""
+    return "unrolled" if (backend or jax.default_backend()) == "cpu" else "scan"
 
 
 def _default_cache_dir() -> str:
@@ -89,6 +99,12 @@ class EngineConfig:
         decoding with prompt lookup, engine/speculative.py: one verify program per mixed
         row bucket, each row feeding k + 1 tokens); also the requests' default (0 = off:
         no verify programs). Decoder-only models.
+    layer_loop: how a decoder-only model's layers run (`models/scanned.py`): "unrolled" (one
+        copy of the layer per layer in every program: each weight read in place, compile
+        time growing with depth), "scan" (a `lax.scan` over the stacked layers: one copy,
+        compile time nearly flat in depth) or None = the backend's default
+        (`default_layer_loop`: unrolled on CPU, where the scan's per-layer weight slices cost
+        decode speed, scan on TPU and GPU). Encoder-decoder models always run unrolled.
     """
 
     max_slots: int | None = 8
@@ -116,6 +132,7 @@ class EngineConfig:
     max_source_len: int = 512
     max_images: int = 8
     speculative_tokens: int = 0
+    layer_loop: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -172,6 +189,8 @@ class EngineConfig:
                                            or isinstance(self.num_pages, bool)
                                            or self.num_pages < 2):
             raise bad("num_pages", "must be an integer >= 2 (page 0 is reserved) or None")
+        if self.layer_loop is not None and self.layer_loop not in LAYER_LOOPS:
+            raise bad("layer_loop", f"must be one of {LAYER_LOOPS} or None")
         if self.max_slots is None or self.max_len is None:  # to be chosen by the memory plan
             self._check_unresolved(bad)
             return
@@ -267,6 +286,13 @@ class EngineConfig:
         """The prefill batch sizes compiled for `bucket`: all of them up to
         `max_batched_prefill_len`, only 1 above it."""
         return self.prefill_batch_sizes if bucket <= self.max_batched_prefill_len else (1,)
+
+    def scans_layers(self, encoder_decoder: bool = False) -> bool:
+        """Whether the engine runs a model's layers as a scan (`layer_loop`, None: the
+        backend's `default_layer_loop`); never for an encoder-decoder (`encoder_decoder`)."""
+        if encoder_decoder:
+            return False
+        return (self.layer_loop or default_layer_loop()) == "scan"
 
     @property
     def resolved_cache_dtype(self) -> str:

@@ -51,9 +51,10 @@ from metrale_jax.engine.sharding import (
     slot_sharding,
 )
 from metrale_jax.engine.state import DecodeState
-from metrale_jax.errors import MemoryPlanError
+from metrale_jax.errors import InvalidParameterError, MemoryPlanError
 from metrale_jax.models.quant4 import is_block_scale
 from metrale_jax.models.quantized_model import quantize_state
+from metrale_jax.models.scanned import StackedLayerParams, stack_layers
 from metrale_jax.models.seq2seq_ragged import CROSS_AXES, CrossCache, split_seq2seq
 from metrale_jax.models.unrolled import LayerParams, split_layers
 
@@ -156,13 +157,21 @@ def plan_pages(plan: MemoryPlan, config: EngineConfig) -> int:
 
 
 def place_params(model_config: ModelConfig, graphdef: nnx.GraphDef, params: Any,
-                 config: EngineConfig, mesh: Mesh) -> tuple[ModelConfig, Any, LayerParams]:
+                 config: EngineConfig, mesh: Mesh
+                 ) -> tuple[ModelConfig, Any, LayerParams | StackedLayerParams]:
     """An engine's params from a split NNX model's stacked `[L, ...]` params: quantized
     when `config.quantization` asks it of a float model, floats cast to `config.dtype`
     (quantized weights keep their dtype, and so do int4 block scales, float16:
     `models/quant4.py`), split per layer (`models/unrolled.py`; an encoder-decoder's decoder:
-    `models/seq2seq_ragged.py`) and sharded on `mesh`. Returns the model config (quantized
-    where it was), the per-layer graph and the `LayerParams`."""
+    `models/seq2seq_ragged.py`) or kept stacked for the scanned layer loop
+    (`config.scans_layers`, `models/scanned.py`), and sharded on `mesh`. Returns the model
+    config (quantized where it was), the per-layer graph and the `LayerParams` (or
+    `StackedLayerParams`). Raises `InvalidParameterError` for `layer_loop="scan"` with an
+    encoder-decoder model (its decoder runs unrolled)."""
+    if model_config.is_encoder_decoder and config.layer_loop == "scan":
+        raise InvalidParameterError(
+            "engine config: layer_loop='scan' is for decoder-only models; an encoder-decoder "
+            "model runs its layers unrolled (layer_loop='unrolled' or None)", param="layer_loop")
     if config.quantization and model_config.quantization is None:  # a float model given
         model_config, graphdef, params = quantize_state(model_config, params,
                                                         config.quantization)
@@ -174,6 +183,10 @@ def place_params(model_config: ModelConfig, graphdef: nnx.GraphDef, params: Any,
     # step's call flattens the params, which JAX does in C++ for dicts but through Python for
     # States (483 leaves on the default model: 0.46 ms a step, about 5% of an int8 decode
     # step).
+    if config.scans_layers(model_config.is_encoder_decoder):
+        graph, stacked = stack_layers(graphdef, params)
+        return model_config, graph, shard_params(StackedLayerParams(
+            nnx.to_pure_dict(stacked.outer), nnx.to_pure_dict(stacked.blocks)), mesh)
     split = split_seq2seq if model_config.is_encoder_decoder else split_layers
     graph, layers = split(graphdef, params)
     del params
@@ -226,8 +239,12 @@ class StepShardings:
             return slot_sharding(B, self.mesh, a.ndim - 1)
 
         slots = slot_sharding(B, self.mesh)
+        if config.scans_layers(model_config.is_encoder_decoder):
+            pages = page_pool_sharding(model_config, N, ps, self.mesh, stacked=True)
+        else:
+            pages = (page_pool_sharding(model_config, N, ps, self.mesh),) * model_config.num_layers
         return DecodeState(
-            pages=(page_pool_sharding(model_config, N, ps, self.mesh),) * model_config.num_layers,
+            pages=pages,
             positions=slots,
             tokens=slots, steps=slots, sampling=jax.tree.map(per_slot, spec.sampling),
             history=jax.tree.map(per_slot, spec.history),

@@ -227,7 +227,8 @@ class StepPrograms:
             functools.partial(steps.init_state, model_config, config.max_slots, config.max_len,
                               config.resolved_num_pages, config.page_size,
                               jnp.dtype(config.resolved_cache_dtype), config.max_source_len,
-                              pool_rows, float_dtype=jnp.dtype(config.dtype)),
+                              pool_rows, float_dtype=jnp.dtype(config.dtype),
+                              stacked_pages=config.scans_layers(model_config.is_encoder_decoder)),
             out_shardings=shardings.state)
         self.state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),

@@ -45,6 +45,7 @@ from metrale_jax.errors import InvalidParameterError
 from metrale_jax.models.layers import AxesTable, LogicalAxes
 from metrale_jax.models.quant import SCALE_SUFFIX
 from metrale_jax.models.ragged import PAGE_AXES
+from metrale_jax.models.scanned import STACKED_PARAMS_AXES, StackedLayerParams
 from metrale_jax.models.transformer import TRANSFORMER_AXES
 from metrale_jax.models.unrolled import LAYER_PARAMS_AXES, LayerParams
 
@@ -250,7 +251,8 @@ def _lookup(table: AxesTable, names: list[str]) -> LogicalAxes:
 
 def param_logical_axes(params: Any, path: tuple, leaf: Any = None) -> LogicalAxes:
     """The logical axes of the leaf at `path` of `params`: stacked `[L, ...]` params (an
-    `nnx.State` or its pure dict: `TRANSFORMER_AXES`) or `LayerParams` (`LAYER_PARAMS_AXES`);
+    `nnx.State` or its pure dict: `TRANSFORMER_AXES`), `LayerParams` (`LAYER_PARAMS_AXES`) or
+    `StackedLayerParams` (`STACKED_PARAMS_AXES`);
     an encoder-decoder's (its `shared` embeddings tell): `M2M100_AXES` or
     `SEQ2SEQ_LAYER_PARAMS_AXES`. Given the `leaf` (anything with `.shape` and `.dtype`), an
     int4 weight (`models/quant4.py`, uint8 `[out..., in / 2]`) takes its scale's axes (the
@@ -258,7 +260,9 @@ def param_logical_axes(params: Any, path: tuple, leaf: Any = None) -> LogicalAxe
     output axes then two unsharded ones."""
     from metrale_jax.models.m2m100 import M2M100_AXES
     from metrale_jax.models.seq2seq_ragged import SEQ2SEQ_LAYER_PARAMS_AXES
-    if isinstance(params, LayerParams):
+    if isinstance(params, StackedLayerParams):
+        table = STACKED_PARAMS_AXES
+    elif isinstance(params, LayerParams):
         table = SEQ2SEQ_LAYER_PARAMS_AXES if "shared" in params.outer else LAYER_PARAMS_AXES
     else:
         table = M2M100_AXES if "shared" in params else TRANSFORMER_AXES
@@ -310,10 +314,14 @@ def slot_sharding(slots: int, mesh: Mesh, trailing: int = 0) -> NamedSharding:
 
 
 def page_pool_sharding(cfg: ModelConfig, num_pages: int, page_size: int,
-                       mesh: Mesh) -> NamedSharding:
-    """The sharding of one layer's page pool `[N, ps, 2K, D]`: the interleaved key/value heads
-    on "model" when K divides by it (each device holds whole key/value pairs), else
-    replicated; pages are shared by every row, so they are not split over "data"."""
+                       mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
+    """The sharding of one layer's page pool `[N, ps, 2K, D]` (`stacked`: the scanned layer
+    loop's one pool `[L, N, ps, 2K, D]`, L unsplit): the interleaved key/value heads on
+    "model" when K divides by it (each device holds whole key/value pairs), else replicated;
+    pages are shared by every row, so they are not split over "data"."""
     K, D = cfg.num_kv_heads, cfg.head_dim
-    spec = partition_spec(PAGE_AXES, mesh, (num_pages, page_size, K, D))
+    axes, shape = PAGE_AXES, (num_pages, page_size, K, D)
+    if stacked:
+        axes, shape = (None, *axes), (cfg.num_layers, *shape)
+    spec = partition_spec(axes, mesh, shape)
     return NamedSharding(mesh, spec)

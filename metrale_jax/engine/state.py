@@ -35,7 +35,8 @@ class DecodeState:
     """Everything `generate` reads and writes.
 
     pages: the KV cache, one pool per layer `[N, ps, 2K, D]` (keys and values interleaved on
-    the head axis; which pages a row holds is host data, `engine/pages.py`).
+    the head axis; which pages a row holds is host data, `engine/pages.py`), or with the
+    scanned layer loop one pool `[L, N, ps, 2K, D]` (`models/scanned.py`).
     positions: [B] int32, where the next token goes (= the slot's current length).
     tokens: [B] int32, the last sampled token: the input of the next step.
     steps: [B] int32, the sampling step index of the next token (the first token is step 0) =
@@ -50,7 +51,7 @@ class DecodeState:
     pieces holding their placeholder tokens); None for a text-only model.
     """
 
-    pages: tuple[jax.Array, ...]
+    pages: tuple[jax.Array, ...] | jax.Array
     positions: jax.Array
     tokens: jax.Array
     steps: jax.Array

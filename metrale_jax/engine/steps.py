@@ -25,6 +25,7 @@ from metrale_jax.models.kv_quant import is_quantized, stored_head_dim
 from metrale_jax.models.paged_attention import use_tpu_kernel
 from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
 from metrale_jax.models.ragged import head as decoder_head
+from metrale_jax.models.scanned import copy_pages, pool_page_size, zero_pools
 from metrale_jax.models.seq2seq_ragged import CrossCache, Seq2SeqGraph
 from metrale_jax.models.unrolled import LayerGraph, LayerParams
 from metrale_jax.models.vision import encode_images as encode_vision
@@ -147,10 +148,12 @@ def sample_rows(sc: SampleConfig, shape: SampleShape, state: DecodeState,
 
 def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
                cache_dtype: jnp.dtype, source_len: int = 0, image_rows: int = 0,
-               float_dtype: jnp.dtype | None = None) -> DecodeState:
+               float_dtype: jnp.dtype | None = None, *,
+               stacked_pages: bool = False) -> DecodeState:
     """An empty decode state: greedy rows at position 0 and zero page pools
     (L x `[num_pages, page_size, 2K, D]`, or `D + 4` int8 rows with their scales for an int8
-    cache: `models/kv_quant.py`); the token history holds `length` positions; an
+    cache: `models/kv_quant.py`; `stacked_pages`: one pool `[L, num_pages, ...]` for the
+    scanned layer loop, `models/scanned.py`); the token history holds `length` positions; an
     encoder-decoder's rows hold sources of up to `source_len` tokens (`CrossCache`); a
     vision-language model's image feature pool holds `image_rows` rows `[image_rows, E]`.
     Those two are kept in `cache_dtype` when it is a float, else in `float_dtype` (None:
@@ -161,7 +164,7 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
     side = (jnp.dtype(float_dtype or jnp.float32) if is_quantized(cache_dtype)
             else cache_dtype)
     return DecodeState(
-        pages=tuple(jnp.zeros(shape, cache_dtype) for _ in range(cfg.num_layers)),
+        pages=zero_pools(cfg.num_layers, shape, cache_dtype, stacked=stacked_pages),
         positions=zeros, tokens=zeros, steps=zeros,
         sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
         history=TokenHistory.zeros(slots, length, cfg.vocab_size),
@@ -234,7 +237,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
     returns StepOutput `[k, B]`.
     """
     B, pps = state.tokens.shape[0], page_table.shape[1]
-    page_size = state.pages[0].shape[1]
+    page_size = pool_page_size(state.pages)
     cap = pps * page_size
     n, C = shape.n, shape.chunk
     head_rows = functools.partial(jax.tree.map, lambda a: a[:n])
@@ -379,7 +382,7 @@ def beam_set(state: DecodeState, rows: jax.Array, tokens: jax.Array, positions: 
     page `dst_pages[i]` becomes a copy of page `src_pages[i]` ([B] int32 each, 0 -> 0 for
     unused entries: the null page onto itself), a forked beam's own copy of its parent's
     partly written last page."""
-    pages = tuple(pool.at[dst_pages].set(pool[src_pages]) for pool in state.pages)
+    pages = copy_pages(state.pages, dst_pages, src_pages)
     return dataclasses.replace(
         state, pages=pages, tokens=jnp.where(rows, tokens, state.tokens),
         positions=jnp.where(rows, positions, state.positions))

@@ -15,7 +15,8 @@ The projections, norms and MLP run once over all T tokens, so a prompt riding al
 its tokens' compute and never stops the rows that decode.
 
 Layers run unrolled over `LayerParams` (`models/unrolled.py`: one traced body per layer shape),
-each layer's page pool updated in place when the caller donates it.
+each layer's page pool updated in place when the caller donates it, or as a `lax.scan` over
+`StackedLayerParams` and one stacked pool (`models/scanned.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from metrale_jax.models.paged_attention import (
     ragged_paged_attention,
     write_kv,
 )
+from metrale_jax.models.scanned import StackedLayerParams, layer_group, zero_pools
 from metrale_jax.models.unrolled import LayerGraph, LayerParams
 
 # Logical axes of one layer's page pool [N, ps, 2K, D] (engine/sharding.py maps them).
@@ -113,22 +115,26 @@ def kernel_layout(page_table: jax.Array, dec_lens: jax.Array, chunk_rows: jax.Ar
         num_seqs=(n + pieces).reshape(1).astype(i32))
 
 
-def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
+def ragged_layers(graph: LayerGraph, params: LayerParams | StackedLayerParams, pages,
                   tokens: jax.Array, positions: jax.Array, layout: StepLayout, *,
                   n: int, lora: tuple | None = None, lora_mix: jax.Array | None = None,
-                  images: tuple[jax.Array, jax.Array] | None = None
-                  ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+                  images: tuple[jax.Array, jax.Array] | None = None):
     """The model over one ragged step's tokens, up to the final hidden states.
 
     tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
-    docstring); pages: L x [N, ps, 2K, D]; n: static, the decode rows; lora: per layer the
-    adapter slots' weights (`models/lora.py`; None: no adapters), lora_mix: [T, N] float32,
-    each token's weight per adapter slot (zeros: none); images: `(rows [T] int32, pool
-    [P, E])`, each token's row of the image feature pool (-1: its token embedding). Returns
-    the hidden states `[T, E]` (before the final norm: `head` turns chosen rows into logits) and
-    the pools with this step's keys and values written.
+    docstring); params and pages in one of two forms: `LayerParams` and L pools
+    `[N, ps, 2K, D]` (the layers unrolled), or `StackedLayerParams` and one pool
+    `[L, N, ps, 2K, D]` (a scan, `models/scanned.py`); n: static, the decode rows; lora: per
+    layer the adapter slots' weights (`models/lora.py`; None: no adapters), lora_mix: [T, N]
+    float32, each token's weight per adapter slot (zeros: none); images: `(rows [T] int32,
+    pool [P, E])`, each token's row of the image feature pool (-1: its token embedding).
+    Returns the hidden states `[T, E]` (before the final norm: `head` turns chosen rows into
+    logits) and the pools, in their form, with this step's keys and values written.
     """
     x = embed(graph, params, tokens, images)
+    if isinstance(params, StackedLayerParams):
+        return _scanned_layers(graph, params, pages, x, positions, layout, n=n, lora=lora,
+                               lora_mix=lora_mix)
     new_pages = []
     layer_lora = lora if lora is not None else (None,) * len(pages)
     for state, sliding, pool, lw in zip(params.layers, graph.cfg.layer_is_sliding, pages,
@@ -137,6 +143,55 @@ def ragged_layers(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array
                                 lora_mix, sliding=bool(sliding), n=n)
         new_pages.append(pool)
     return x, tuple(new_pages)
+
+
+def layer_layout(layout: StepLayout, layer: jax.Array, num_pages: int,
+                 page_size: int) -> StepLayout:
+    """The step's layout for layer `layer` (int32, traced) of a stacked pool seen as
+    `[L*N, ps, 2K, D]`: every page index p becomes `layer*N + p` (slots shift by `layer*N*ps`),
+    so the layer's pages are read and written in place, never sliced out of the pool."""
+    first = (layer * num_pages).astype(jnp.int32)
+    kernel = layout.kernel
+    if kernel is not None:
+        kernel = dataclasses.replace(kernel, page_indices=kernel.page_indices + first)
+    return dataclasses.replace(
+        layout, slots=layout.slots + first * page_size, dec_table=layout.dec_table + first,
+        page_table=layout.page_table + first, kernel=kernel)
+
+
+def _scanned_layers(graph: LayerGraph, params: StackedLayerParams, pages: jax.Array,
+                    x: jax.Array, positions: jax.Array, layout: StepLayout, *, n: int,
+                    lora: tuple | None, lora_mix: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """`ragged_layers`' scanned form: x [T, E] through a loop over groups of
+    `layer_group(cfg)` layers (each group's layers unrolled in the body); pages
+    `[L, N, ps, 2K, D]` carried as `[L*N, ps, 2K, D]`, each layer addressed by
+    `layer_layout`. The stacked weights are indexed in the body (`[layer]`), not reshaped into
+    groups nor passed as scan inputs: either makes XLA:CPU copy every stacked weight into the
+    loop on each call. Per-layer LoRA weights are stacked first (the adapters are small)."""
+    cfg = graph.cfg
+    L, N, ps = pages.shape[0], pages.shape[1], pages.shape[2]
+    G = layer_group(cfg)
+    sliding = [bool(s) for s in cfg.layer_is_sliding[:G]]
+    stacked_lora = None if lora is None else jax.tree.map(lambda *a: jnp.stack(a), *lora)
+
+    def at(tree, layer):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False),
+                            tree)
+
+    def body(i, carry):
+        h, pool = carry
+        for j in range(G):
+            layer = i * G + j
+            w = None if stacked_lora is None else at(stacked_lora, layer)
+            block = nnx.merge(graph.block_def, at(params.blocks, layer))
+            h, pool = decoder_layer(block, h, positions, pool, layer_layout(layout, layer, N, ps),
+                                    w, lora_mix, sliding=sliding[j], n=n)
+        return h, pool
+
+    flat = pages.reshape(L * N, *pages.shape[2:])
+    x, flat = jax.lax.fori_loop(0, L // G, body, (x, flat))
+    return x, flat.reshape(pages.shape)
 
 
 def embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
@@ -173,7 +228,8 @@ def sequence_logits(graph: LayerGraph, params: LayerParams, ids: list[int], *,
     pps = -(-(-(-length // chunk) * chunk) // page_size)  # pages for every padded chunk
     shape = (pps + 1, page_size, 2 * cfg.num_kv_heads,
              stored_head_dim(cfg.head_dim, cache_dtype))
-    pages = tuple(jnp.zeros(shape, cache_dtype) for _ in range(cfg.num_layers))
+    pages = zero_pools(cfg.num_layers, shape, cache_dtype,
+                       stacked=isinstance(params, StackedLayerParams))
     if pool_sharding is not None:
         pages = jax.device_put(pages, pool_sharding)
     table = jnp.arange(1, pps + 1, dtype=jnp.int32)[None]  # [1, PPS]: row 0, pages 1 ..
@@ -193,7 +249,7 @@ def sequence_logits(graph: LayerGraph, params: LayerParams, ids: list[int], *,
 
 
 @functools.partial(jax.jit, static_argnames=("graph",))
-def _chunk_logits(graph: LayerGraph, params: LayerParams, pages: tuple[jax.Array, ...],
+def _chunk_logits(graph: LayerGraph, params: LayerParams | StackedLayerParams, pages,
                   tokens: jax.Array, positions: jax.Array, layout: StepLayout):
     """`sequence_logits`' step: one prefill chunk (no decode rows) -> (logits [C, V], pages)."""
     x, pages = ragged_layers(graph, params, pages, tokens, positions, layout, n=0)
@@ -231,9 +287,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, pool:
 @functools.partial(jax.jit, static_argnames=("block_def", "sliding", "n"))
 def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora_w, lora_mix,
                   *, sliding: bool, n: int):
-    """One decoder layer over a ragged step: x [T, E] -> ([T, E], the pool written); lora_w:
-    this layer's adapter weights (None: none), lora_mix: [T, N] each token's slot weights."""
-    block = nnx.merge(block_def, state)
+    """One unrolled decoder layer (its own jitted body per layer shape): `decoder_layer`."""
+    return decoder_layer(nnx.merge(block_def, state), x, positions, pool, layout, lora_w,
+                         lora_mix, sliding=sliding, n=n)
+
+
+def decoder_layer(block, x: jax.Array, positions: jax.Array, pool: jax.Array,
+                  layout: StepLayout, lora_w, lora_mix, *, sliding: bool, n: int
+                  ) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer (`block`: a merged `transformer.Block`) over a ragged step:
+    x [T, E] -> ([T, E], the pool [N, ps, 2K, D] written); lora_w: this layer's adapter
+    weights (None: none), lora_mix: [T, N] each token's slot weights."""
     attn = block.attn
     cfg = attn.cfg
     delta = lora_delta(lora_w, lora_mix) if lora_w is not None else None
@@ -250,5 +314,5 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora
     return block.finish(x, y, delta), pool
 
 
-__all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "attend", "embed", "head", "kernel_layout",
-           "ragged_layers", "sequence_logits"]
+__all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "attend", "decoder_layer", "embed", "head",
+           "kernel_layout", "layer_layout", "ragged_layers", "sequence_logits"]

@@ -49,7 +49,13 @@ def add_kv_cache_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_scale_flags(parser: argparse.ArgumentParser, processes: bool = True) -> None:
-    """Adds --mesh and --memory-gb (and, with `processes`, the multi-host flags)."""
+    """Adds --mesh, --memory-gb and --layer-loop (and, with `processes`, the multi-host
+    flags)."""
+    parser.add_argument("--layer-loop", default="auto", choices=("auto", "unrolled", "scan"),
+                        help="how a decoder-only model's layers are compiled: 'unrolled' (a "
+                             "copy of the layer per layer), 'scan' (one loop over stacked "
+                             "layers: compile time nearly flat in depth); 'auto' (default) = "
+                             "unrolled on CPU, scan on TPU and GPU")
     parser.add_argument("--mesh", default=None,
                         help="the device mesh, e.g. data=2,model=4 (slots over data, heads and "
                              "MLP over model; default: chosen for the model and devices)")
@@ -76,6 +82,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["memory_gb"] = args.memory_gb
     if getattr(args, "quantization", None) is not None:
         options["quantization"] = args.quantization
+    if getattr(args, "layer_loop", "auto") != "auto":
+        options["layer_loop"] = args.layer_loop
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         options["cache_dtype"] = args.kv_cache_dtype
     return options
