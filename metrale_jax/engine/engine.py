@@ -90,7 +90,9 @@ class Engine:
         placement = placement or place(model_config, engine_config or EngineConfig())
         cfg = self.config = placement.config
         self.placement, self.memory_plan = placement, placement.plan
-        enable_compilation_cache(cfg.compilation_cache_dir)
+        store = self._store(cfg, model_config)
+        if store is None:  # JAX's persistent cache instead (see engine/executable_store.py)
+            enable_compilation_cache(cfg.compilation_cache_dir)
         self.mesh = placement.make_mesh()
         self.encoder_decoder = model_config.is_encoder_decoder
         if self.encoder_decoder and cfg.max_loras:
@@ -118,7 +120,7 @@ class Engine:
         self.shardings = sh = StepShardings(self.mesh, model_config, cfg)
         self._all_allowed: dict[int, Any] = {}  # default grammar bitmasks, on the devices
         # The parts.
-        self.programs = ProgramCache(sh.replicated, self._store(cfg, model_config))
+        self.programs = ProgramCache(sh.replicated, store)
         self.lora_slots = LoraSlots(cfg, model_config, sh.replicated, self.programs)
         self.step_programs = StepPrograms(self.programs, cfg, model_config, self.graph, sh,
                                           abstract_params(self.params, self.mesh),

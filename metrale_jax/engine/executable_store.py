@@ -14,10 +14,13 @@ loaded. Entries are written whole or not at all (a temporary file renamed into p
 process killed mid-write leaves the store usable; an entry that fails to load is dropped and
 the program compiled again.
 
-On by default beside the persistent cache (`EngineConfig.compilation_cache_dir`, in its
-`executables/` folder); `METRALE_EXECUTABLE_CACHE=0` turns it off (the test suite does, and
-tests it on its own), and a multi-process run never uses it (each process must compile the
-same programs in step).
+On by default in the compilation cache's folder (`EngineConfig.compilation_cache_dir`, its
+`executables/` subfolder), where it replaces JAX's persistent cache for the engine's programs:
+an engine with a store does not turn JAX's cache on, because an executable JAX loaded from its
+cache cannot be serialized again whole (`compile_fresh` checks, and such a program is never
+stored). `METRALE_EXECUTABLE_CACHE=0` turns the store off and JAX's cache back on (the test
+suite does, and tests the store on its own); a multi-process run never uses it (each process
+must compile the same programs in step).
 """
 
 from __future__ import annotations
@@ -86,6 +89,29 @@ def specs_signature(specs: Any) -> str:
                               repr(getattr(s, "sharding", None))) for s in leaves]))
 
 
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_compiling = threading.local()  # per thread: did the compile being made hit JAX's cache?
+_listening = False
+
+
+def _on_event(event: str, **_: Any) -> None:
+    if event == _JAX_CACHE_HIT:
+        _compiling.hit = True
+
+
+def compile_fresh(lower: Any) -> tuple[Any, bool]:
+    """`lower().compile()`, and whether XLA compiled it now (False: JAX's persistent cache
+    gave a deserialized executable, which `serialize` cannot write again whole: loaded, it
+    fails at run time with "Function ... not found", so the store never keeps one)."""
+    global _listening
+    if not _listening:
+        jax.monitoring.register_event_listener(_on_event)
+        _listening = True
+    _compiling.hit = False
+    exe = lower().compile()
+    return exe, not _compiling.hit
+
+
 class ExecutableStore:
     """Serialized executables in `folder`, keyed under an engine `fingerprint`."""
 
@@ -134,5 +160,5 @@ class ExecutableStore:
             tmp.unlink(missing_ok=True)
 
 
-__all__ = ["SWITCH", "ExecutableStore", "enabled", "fingerprint", "source_digest",
-           "specs_signature"]
+__all__ = ["SWITCH", "ExecutableStore", "compile_fresh", "enabled", "fingerprint",
+           "source_digest", "specs_signature"]

@@ -46,7 +46,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine import compilation_cache, speculative, steps
 from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
-from metrale_jax.engine.executable_store import ExecutableStore
+from metrale_jax.engine.executable_store import ExecutableStore, compile_fresh
 from metrale_jax.engine.placement import StepShardings
 from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.host_memory import release_free_memory
@@ -126,8 +126,8 @@ class ProgramCache:
         placed = self._placed(specs)
         exe = self.store.load(key, placed) if self.store is not None else None
         if exe is None:
-            exe = fn.lower(*placed).compile()
-            if self.store is not None:
+            exe, fresh = compile_fresh(lambda: fn.lower(*placed))
+            if self.store is not None and fresh:
                 self.store.save(key, placed, exe)
         with self._lock:
             if key not in self._compiled:

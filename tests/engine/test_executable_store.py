@@ -1,8 +1,10 @@
 """Compiled programs stored beside the persistent cache load without tracing and run exactly as
 compiled ones (engine/executable_store.py); a changed config never loads them; a torn entry is
-dropped and compiled again."""
+dropped and compiled again; an executable JAX's own cache gave is never stored."""
 
 from __future__ import annotations
+
+import time
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import pytest
 from flax import nnx
 
 from metrale_jax.engine import SlotSettings
-from metrale_jax.engine.executable_store import ExecutableStore
+from metrale_jax.engine.executable_store import ExecutableStore, compile_fresh
 from metrale_jax.models.transformer import Transformer
 from tests.engine.conftest import TINY, make_engine
 
@@ -20,48 +22,65 @@ PROMPTS = [[3, 1, 4, 1, 5], list(range(2, 42))]  # the second: two chunks of 32
 
 @pytest.fixture
 def store_on(monkeypatch):
+    """The store on and JAX's persistent cache off, as an engine with a store runs (the
+    suite's cache would hand back executables that the store must not keep)."""
+    from jax._src import compilation_cache as jax_cache
     monkeypatch.setenv("METRALE_EXECUTABLE_CACHE", "1")
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax_cache.reset_cache()
 
 
-def _run(engine) -> list[list[int]]:
-    """Greedy and seeded tokens of two prompts over a few steps."""
+def _run(engine) -> list[int]:
+    """Greedy and seeded tokens of two prompts, one after the other, a few steps each."""
     state = engine.init_decode_state()
-    items = [(0, PROMPTS[0], SlotSettings()),
-             (1, PROMPTS[1], SlotSettings(temperature=0.8, top_p=0.9, seed=5))]
-    state, first = engine.add(state, items)
-    tokens = [np.asarray(first.tokens)[0, :2].tolist()]
-    active = np.arange(engine.config.max_slots) < 2
-    for _ in range(4):
-        state, out = engine.step(state, active)
-        tokens.append(np.asarray(out.tokens)[0, :2].tolist())
+    tokens = []
+    for prompt, settings in zip(PROMPTS, (SlotSettings(), SlotSettings(temperature=0.8,
+                                                                      top_p=0.9, seed=5)),
+                                strict=True):
+        state, first = engine.add(state, [(0, prompt, settings)])
+        tokens.append(int(np.asarray(first.tokens)[0, 0]))
+        for _ in range(4):
+            state, out = engine.step(state, np.ones(1, np.bool_))
+            tokens.append(int(np.asarray(out.tokens)[0, 0]))
     return tokens
 
 
 def test_a_second_engine_loads_every_program_and_runs_the_same(store_on):
     graphdef, params = nnx.split(Transformer(TINY, rngs=nnx.Rngs(1)))
-    first = make_engine(TINY, graphdef, params, max_slots=2)
+    first = make_engine(TINY, graphdef, params, max_slots=1, max_prefill_batch=1)
     assert first.programs.store is not None
     first.warmup()
     expected = _run(first)
-    second = make_engine(TINY, graphdef, params, max_slots=2)
+    second = make_engine(TINY, graphdef, params, max_slots=1, max_prefill_batch=1)
     second.warmup()
     assert second.programs.store.loaded == second.compile_count == first.compile_count
     assert _run(second) == expected
-    other = make_engine(TINY, graphdef, params, max_slots=2, num_top_logprobs=3)
+    other = make_engine(TINY, graphdef, params, max_slots=1, max_prefill_batch=1,
+                        num_top_logprobs=3)
     assert other.programs.store.fingerprint != second.programs.store.fingerprint
-    other.step_programs.init()
-    assert other.programs.store.loaded == 0  # another config: compiled, never loaded
+    spec = other.step_programs.state_spec
+    assert other.programs.store.path(("init",), spec) != second.programs.store.path(("init",),
+                                                                                    spec)
 
 
 def test_an_unreadable_entry_is_dropped_and_compiled_again(tmp_path):
     store = ExecutableStore(tmp_path, "fingerprint")
     spec = jax.ShapeDtypeStruct((4,), jnp.float32)
-    fn = jax.jit(lambda x: x * 2)
-    store.save(("double",), (spec,), fn.lower(spec).compile())
+    offset = float(time.time_ns() % 1_000_003)  # a program no cache has seen
+    exe, fresh = compile_fresh(lambda: jax.jit(lambda x: x * 2 + offset).lower(spec))
+    assert fresh
+    # The suite's JAX persistent cache has it now: a second compile is a load, which
+    # serializes incompletely, so the store must be told not to keep it.
+    assert not compile_fresh(lambda: jax.jit(lambda x: x * 2 + offset).lower(spec))[1]
+    store.save(("double",), (spec,), exe)
     path = store.path(("double",), (spec,))
     loaded = store.load(("double",), (spec,))
     assert loaded is not None and store.loaded == 1
-    np.testing.assert_array_equal(loaded(jnp.arange(4.0)), [0.0, 2.0, 4.0, 6.0])
+    np.testing.assert_array_equal(loaded(jnp.arange(4.0)),
+                                  np.arange(4.0, dtype=np.float32) * 2 + offset)
     path.write_bytes(path.read_bytes()[:100])  # torn, as by a crash before the rename
     assert store.load(("double",), (spec,)) is None and not path.exists()
     assert store.load(("other",), (spec,)) is None  # missing
