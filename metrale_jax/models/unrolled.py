@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 from flax import nnx
 
 from metrale_jax.config import ModelConfig
@@ -47,6 +48,16 @@ class LayerGraph:
     block_def: nnx.GraphDef
 
 
+def layer_of(x: jax.Array, i: int) -> jax.Array:
+    """Layer `i` of a stacked `[L, ...]` array, a copy. On one CPU device it is sliced on the
+    host (a zero-copy view, then one transfer): indexing on the device would compile a
+    dynamic slice per weight shape, ~0.5 s of every start for the default model."""
+    devices = getattr(x, "devices", lambda: set())()
+    if isinstance(x, jax.Array) and len(devices) == 1 and next(iter(devices)).platform == "cpu":
+        return jax.device_put(np.asarray(x)[i], next(iter(devices)))
+    return x[i]
+
+
 def split_layers(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[LayerGraph, LayerParams]:
     """Stacked params -> (static `LayerGraph`, `LayerParams`). Copies each layer's weights once."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -54,7 +65,8 @@ def split_layers(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[LayerGraph,
     cfg = model.cfg
     block_def = nnx.split(model.blocks)[0]
     blocks = params["blocks"]
-    layers = tuple(jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(cfg.num_layers))
+    layers = tuple(jax.tree.map(lambda x, i=i: layer_of(x, i), blocks)
+                   for i in range(cfg.num_layers))
     outer = nnx.State({k: v for k, v in params.items() if k != "blocks"})
     return LayerGraph(cfg, graphdef, block_def), LayerParams(outer, layers)
 
