@@ -25,11 +25,15 @@ DEFAULT_CACHE_DIR = "~/.cache/metrale/jax"
 DEFAULT_PAGE_SIZE = 16
 
 
-def default_layer_loop(backend: str | None = None) -> str:
+def default_layer_loop(backend: str | None = None, quantized: bool = False) -> str:
     """The layer loop of an engine that does not choose one, on `backend` (None: JAX's
-    default): "unrolled" on CPU (a decode step of the scanned form is slower there:
-    docs/performance.md, "Layer loop"), "scan" elsewhere."""
-    return "unrolled" if (backend or jax.default_backend()) == "cpu" else "scan"
+    default): "scan" on TPU and GPU, and on CPU for quantized weights (`quantized`: int8 or
+    int4, whose decode runs as fast scanned while its programs compile in two thirds of the
+    time and hold a third of the memory); "unrolled" for float weights on CPU (a float32
+    decode step is 20-37% slower scanned there: docs/performance.md, "Layer loop")."""
+    if (backend or jax.default_backend()) != "cpu" or quantized:
+        return "scan"
+    return "unrolled"
 
 
 def _default_cache_dir() -> str:
@@ -102,9 +106,10 @@ class EngineConfig:
     layer_loop: how a decoder-only model's layers run (`models/scanned.py`): "unrolled" (one
         copy of the layer per layer in every program: each weight read in place, compile
         time growing with depth), "scan" (a `lax.scan` over the stacked layers: one copy,
-        compile time nearly flat in depth) or None = the backend's default
-        (`default_layer_loop`: unrolled on CPU, where the scan's per-layer weight slices cost
-        decode speed, scan on TPU and GPU). Encoder-decoder models always run unrolled.
+        compile time nearly flat in depth) or None = the default (`default_layer_loop`:
+        scan on TPU and GPU and for int8/int4 weights on CPU; unrolled for float weights on
+        CPU, where the scan's per-layer weight slices cost decode speed). Encoder-decoder
+        models always run unrolled.
     """
 
     max_slots: int | None = 8
@@ -287,12 +292,13 @@ class EngineConfig:
         `max_batched_prefill_len`, only 1 above it."""
         return self.prefill_batch_sizes if bucket <= self.max_batched_prefill_len else (1,)
 
-    def scans_layers(self, encoder_decoder: bool = False) -> bool:
-        """Whether the engine runs a model's layers as a scan (`layer_loop`, None: the
-        backend's `default_layer_loop`); never for an encoder-decoder (`encoder_decoder`)."""
+    def scans_layers(self, encoder_decoder: bool = False, quantized: bool = False) -> bool:
+        """Whether the engine runs a model's layers as a scan (`layer_loop`, None:
+        `default_layer_loop` for the backend and whether the weights are `quantized`);
+        never for an encoder-decoder (`encoder_decoder`)."""
         if encoder_decoder:
             return False
-        return (self.layer_loop or default_layer_loop()) == "scan"
+        return (self.layer_loop or default_layer_loop(quantized=quantized)) == "scan"
 
     @property
     def resolved_cache_dtype(self) -> str:

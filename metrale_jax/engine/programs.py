@@ -228,7 +228,9 @@ class StepPrograms:
                               config.resolved_num_pages, config.page_size,
                               jnp.dtype(config.resolved_cache_dtype), config.max_source_len,
                               pool_rows, float_dtype=jnp.dtype(config.dtype),
-                              stacked_pages=config.scans_layers(model_config.is_encoder_decoder)),
+                              stacked_pages=config.scans_layers(
+                                  model_config.is_encoder_decoder,
+                                  model_config.quantization is not None)),
             out_shardings=shardings.state)
         self.state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
