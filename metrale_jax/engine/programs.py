@@ -134,7 +134,7 @@ class ProgramCache:
                 self._compiled[key] = exe
                 self.compiled_on[key] = threading.current_thread().name
                 self.compile_count += 1
-        log.info("compiled %s in %.2f s", key, time.perf_counter() - t0)
+        log.debug("compiled %s in %.2f s", key, time.perf_counter() - t0)
         return self._compiled[key]
 
     def _placed(self, specs: tuple) -> tuple:
@@ -172,11 +172,15 @@ class ProgramCache:
 
         def run() -> None:
             try:
-                self.warmup(jobs, workers, progress)
+                seconds = self.warmup(jobs, workers, progress)
+                log.info("background compile: the grid is complete (%d programs in %.1f s)",
+                         len(jobs), seconds)
             except Exception:
                 log.exception("background compile failed")
             finally:
                 self._progress[3] = time.perf_counter()
+
+        log.info("background compile: %d programs to go, serving meanwhile", len(jobs))
 
         self._background = threading.Thread(target=run, name=COMPILE_THREAD, daemon=True)
         self._background.start()

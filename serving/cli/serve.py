@@ -190,7 +190,8 @@ def _serve(args: argparse.Namespace, pid: int, processes: int) -> int:
         translation_model(args.model, args.source_lang, args.target_lang)
     settings = server_settings(args, pid, processes)
     from serving.progress import StageProgress
-    for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.multihost"):
+    for name in ("serving", "metrale_jax.engine.placement", "metrale_jax.engine.programs",
+                 "metrale_jax.multihost"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     print(f"metrale: loading {args.model} ...", file=sys.stderr)
     progress = StageProgress()

@@ -15,6 +15,7 @@ from devtools.logits import stacked_logits
 from metrale_jax.engine import SlotSettings
 from metrale_jax.engine.memory_plan import param_bytes_per_device
 from metrale_jax.models.quantized_model import quantize_state
+from metrale_jax.models.scanned import StackedLayerParams
 from metrale_jax.models.transformer import Transformer
 from tests.engine.conftest import TINY, make_engine
 from tests.engine.test_engine import check_batch_invariance_and_seeds, run
@@ -35,10 +36,13 @@ def int4_engine(float_model):
 
 def test_the_engine_holds_int4_weights(int4_engine):
     assert int4_engine.model_config.quantization == "int4"
-    layer = int4_engine.params.layers[0]
-    assert layer["mlp"]["down"].dtype == jnp.uint8
-    assert layer["mlp"]["down"].shape == (TINY.hidden_size, TINY.intermediate_size // 2)
-    assert layer["mlp"]["down_scale"].dtype == jnp.float16  # not cast to the compute dtype
+    # int4 weights run their layers as a scan on CPU too (EngineConfig.layer_loop): stacked.
+    assert isinstance(int4_engine.params, StackedLayerParams)
+    blocks = int4_engine.params.blocks
+    assert blocks["mlp"]["down"].dtype == jnp.uint8
+    assert blocks["mlp"]["down"].shape == (TINY.num_layers, TINY.hidden_size,
+                                           TINY.intermediate_size // 2)
+    assert blocks["mlp"]["down_scale"].dtype == jnp.float16  # not cast to the compute dtype
     assert int4_engine.params.outer["embed"].dtype == jnp.int8
 
 

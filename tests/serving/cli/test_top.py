@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from serving.cli.http_client import Client
-from serving.cli.top_data import Sample, TopModel, parse_metrics
+from serving.cli.top_data import Sample, TopModel, parse_metrics, summary
 from tests.serving.conftest import MODEL, ROOT, OpenStream, paused_decode, run_main
 
 BODY = {"model": MODEL, "prompt": "jumps over the lazy dog", "max_tokens": 12,
@@ -92,6 +92,15 @@ def _top(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "serving.cli", "top", *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_summary_shows_the_background_compile_until_it_is_complete():
+    stats = {"model": "m", "state": "ready", "compiles": 7,
+             "background_compile": {"done": 3, "total": 16, "complete": False, "seconds": 4.2}}
+    assert any("compiling the grid in the background  3/16 programs  4.2 s" in line
+               for line in summary(stats))
+    stats["background_compile"].update(done=16, complete=True)
+    assert not any("background" in line for line in summary(stats))
 
 
 def test_top_once_prints_a_snapshot(base_url):
