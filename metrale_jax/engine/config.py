@@ -25,13 +25,14 @@ DEFAULT_CACHE_DIR = "~/.cache/metrale/jax"
 DEFAULT_PAGE_SIZE = 16
 
 
-def default_layer_loop(backend: str | None = None, quantized: bool = False) -> str:
+def default_layer_loop(backend: str | None = None, quantization: str | None = None) -> str:
     """The layer loop of an engine that does not choose one, on `backend` (None: JAX's
-    default): "scan" on TPU and GPU, and on CPU for quantized weights (`quantized`: int8 or
-    int4, whose decode runs as fast scanned while its programs compile in two thirds of the
-    time and hold a third of the memory); "unrolled" for float weights on CPU (a float32
-    decode step is 20-37% slower scanned there: docs/performance.md, "Layer loop")."""
-    if (backend or jax.default_backend()) != "cpu" or quantized:
+    default) for weights of `quantization`: "scan" on TPU and GPU, and on CPU for int4
+    weights (whose decode runs within a few percent scanned, while its programs compile in
+    two thirds of the time and hold a third of the memory); "unrolled" for float and int8
+    weights on CPU (a decode step is 20-40% slower scanned there: each layer's weights are
+    copied out of the stacked arrays; docs/performance.md, "Layer loop")."""
+    if (backend or jax.default_backend()) != "cpu" or quantization == "int4":
         return "scan"
     return "unrolled"
 
@@ -107,8 +108,8 @@ class EngineConfig:
         copy of the layer per layer in every program: each weight read in place, compile
         time growing with depth), "scan" (a `lax.scan` over the stacked layers: one copy,
         compile time nearly flat in depth) or None = the default (`default_layer_loop`:
-        scan on TPU and GPU and for int8/int4 weights on CPU; unrolled for float weights on
-        CPU, where the scan's per-layer weight slices cost decode speed). Encoder-decoder
+        scan on TPU and GPU and for int4 weights on CPU; unrolled for float and int8 weights
+        on CPU, where the scan's per-layer weight slices cost decode speed). Encoder-decoder
         models always run unrolled.
     """
 
@@ -292,13 +293,14 @@ class EngineConfig:
         `max_batched_prefill_len`, only 1 above it."""
         return self.prefill_batch_sizes if bucket <= self.max_batched_prefill_len else (1,)
 
-    def scans_layers(self, encoder_decoder: bool = False, quantized: bool = False) -> bool:
+    def scans_layers(self, encoder_decoder: bool = False,
+                     quantization: str | None = None) -> bool:
         """Whether the engine runs a model's layers as a scan (`layer_loop`, None:
-        `default_layer_loop` for the backend and whether the weights are `quantized`);
-        never for an encoder-decoder (`encoder_decoder`)."""
+        `default_layer_loop` for the backend and the model's weight `quantization`); never
+        for an encoder-decoder (`encoder_decoder`)."""
         if encoder_decoder:
             return False
-        return (self.layer_loop or default_layer_loop(quantized=quantized)) == "scan"
+        return (self.layer_loop or default_layer_loop(quantization=quantization)) == "scan"
 
     @property
     def resolved_cache_dtype(self) -> str:

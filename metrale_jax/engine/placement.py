@@ -184,7 +184,7 @@ def place_params(model_config: ModelConfig, graphdef: nnx.GraphDef, params: Any,
     # States (483 leaves on the default model: 0.46 ms a step, about 5% of an int8 decode
     # step).
     if config.scans_layers(model_config.is_encoder_decoder,
-                           model_config.quantization is not None):
+                           model_config.quantization):
         graph, stacked = stack_layers(graphdef, params)
         return model_config, graph, shard_params(StackedLayerParams(
             nnx.to_pure_dict(stacked.outer), nnx.to_pure_dict(stacked.blocks)), mesh)
@@ -241,7 +241,7 @@ class StepShardings:
 
         slots = slot_sharding(B, self.mesh)
         if config.scans_layers(model_config.is_encoder_decoder,
-                               model_config.quantization is not None):
+                               model_config.quantization):
             pages = page_pool_sharding(model_config, N, ps, self.mesh, stacked=True)
         else:
             pages = (page_pool_sharding(model_config, N, ps, self.mesh),) * model_config.num_layers

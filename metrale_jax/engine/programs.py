@@ -15,10 +15,11 @@ start fast.
   decode rows 0 .. n-1 each decode a token and a chunk of C prompt tokens (pieces of any
   prompts, C a chunk bucket) is prefilled along, up to the logits; without a chunk (C = 0)
   `decode_steps` decode steps run in one call;
-- `sample` per (n, R): the draw of a one-token step's n + R tokens (`steps.sample_rows`), its
+- `sample` per (n, R): the draw of a chunk step's n + R tokens (`steps.sample_rows`), its
   own program so that the sampler (the largest part of a small model's step to compile) is
-  compiled once per row bucket instead of into every step shape; k > 1 decode steps keep it
-  fused (it runs inside their loop);
+  compiled once per row bucket instead of into every chunk shape; decode steps keep it fused
+  (one decode program per row bucket anyway, and the decode loop is where a second program
+  per token cost 5% of float32 decode);
 - `verify` per mixed row bucket n, with `speculative_tokens` > 0 only: speculative decoding's
   verify step (`engine/speculative.py`; sampling fused: its acceptance reads the draws).
 
@@ -234,7 +235,7 @@ class StepPrograms:
                               pool_rows, float_dtype=jnp.dtype(config.dtype),
                               stacked_pages=config.scans_layers(
                                   model_config.is_encoder_decoder,
-                                  model_config.quantization is not None)),
+                                  model_config.quantization)),
             out_shardings=shardings.state)
         self.state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -293,10 +294,10 @@ class StepPrograms:
 
     def run(self, n: int, chunk: int, k: int, *args: Any) -> tuple[Any, Any]:
         """Runs the step (n, chunk, k) on `args` (those of `steps.ragged_step` after the
-        params) and, for a one-token step, its sampling program: (state, StepOutput
+        params) and, for a step with a chunk, its sampling program: (state, StepOutput
         `[k, B + R]`)."""
         state, out = self.step(n, chunk, k)(*args)
-        if k > 1:
+        if not chunk:  # a decode step draws inside (steps.decode_steps)
             return state, out
         return self.sample(n, self.finish_rows(chunk))(state, out)
 
@@ -328,7 +329,7 @@ class StepPrograms:
         """True when the step (n, chunk, k) and its sampling program are both compiled."""
         if self.cache.get(("step", n, chunk, k)) is None:
             return False
-        return k > 1 or self.cache.get(("sample", n, self.finish_rows(chunk))) is not None
+        return not chunk or self.cache.get(("sample", n, self.finish_rows(chunk))) is not None
 
     def decode_rows(self, top: int) -> int:
         """The rows n a decode step over slots 0 .. top-1 computes: the smallest active-slot
@@ -397,7 +398,7 @@ class StepPrograms:
         jobs: list[Job] = []
         sampled: set[tuple[int, int]] = set()
         for n, c, steps_k in shapes:
-            if steps_k == 1 and (n, self.finish_rows(c)) not in sampled:
+            if c and (n, self.finish_rows(c)) not in sampled:
                 sampled.add((n, self.finish_rows(c)))
                 jobs.append(functools.partial(self.sample, n, self.finish_rows(c)))
             jobs.append(functools.partial(self.step, n, c, steps_k))

@@ -220,8 +220,8 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
                 allowed: jax.Array, chunk: ChunkInputs | None, lora: tuple | None = None,
                 lora_mix: jax.Array | None = None
                 ) -> tuple[DecodeState, SampleInputs | StepOutput]:
-    """One engine call: one decode step of rows `0 .. n-1`, which may also run a chunk, up to
-    the logits (k = 1); or k > 1 decode steps, each sampling inside the call.
+    """One engine call: a decode step of rows `0 .. n-1` with a chunk of prompt tokens, up
+    to the logits; or, without a chunk, k >= 1 decode steps, each drawing inside the call.
 
     page_table: [B, PPS] int32 (the host's `PageTable.table`, covering every position this
     call writes); active: [B] bool, the rows that decode (held rows keep their state);
@@ -231,10 +231,11 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
     row's weight per adapter slot (zeros: none). State donated. Each decode row feeds its
     last token at its position and advances; each prompt that ends in the chunk has its
     last token's logits taken and its row becomes ready to decode (position, step and
-    settings set). With k = 1 returns the state and the `SampleInputs` of `sample_rows`, the
-    program that draws the n + R tokens (the rows' next inputs are written there); with
-    k > 1 (no chunk) each step draws with the fused sampler (`decode_steps`) and the call
-    returns StepOutput `[k, B]`.
+    settings set). With a chunk returns the state and the `SampleInputs` of `sample_rows`,
+    the program that draws the n + R tokens (the rows' next inputs are written there: one
+    sampling program for every chunk size); without one, each step draws with the sampler
+    fused (`decode_steps`: the decode loop, where a second program per token cost 5% of
+    float32 decode) and the call returns StepOutput `[k, B]`.
     """
     B, pps = state.tokens.shape[0], page_table.shape[1]
     page_size = pool_page_size(state.pages)
@@ -285,7 +286,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
 
     h = state.history
     positions, tokens, steps_ = state.positions[:n], state.tokens[:n], state.steps[:n]
-    if shape.decode_steps > 1:
+    if C == 0:  # the decode loop: its sampler fused (see `decode_steps`)
         return decode_steps(graph, sc, params, state, live, allowed[:n], forward, cap,
                             shape.decode_steps)
     dec_history = head_rows(h).append(tokens, positions, live)
@@ -296,11 +297,6 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         jnp.where(live, jnp.minimum(positions + 1, cap), positions))
     new_steps = state.steps.at[:n].set(jnp.where(live, steps_ + 1, steps_))
     dec_rows = jnp.arange(n, dtype=jnp.int32)
-    if C == 0:
-        new = dataclasses.replace(state, pages=pages, positions=new_positions,
-                                  steps=new_steps, history=history)
-        return new, SampleInputs(head(graph, params, x), dec_rows, live, positions + 1,
-                                 steps_, allowed[:n])
     # The chunk's prompt tokens go into their rows' histories; a row whose chunk starts at
     # position 0 starts afresh (counts and prompt_seen cleared first).
     real = chunk.rows >= 0
@@ -335,7 +331,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
 def decode_steps(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state: DecodeState,
                  live: jax.Array, allowed: jax.Array, forward, cap: int,
                  k: int) -> tuple[DecodeState, StepOutput]:
-    """k > 1 decode steps of rows 0 .. n-1 in one call (`ragged_step`'s multi-step form), the
+    """k >= 1 decode steps of rows 0 .. n-1 in one call (`ragged_step` without a chunk), the
     sampler fused into each: live [n] bool, the rows that decode; allowed [n, W] uint32;
     forward: the model over (pages, tokens [n], positions [n]) -> (hidden [n, E], pages);
     cap: the positions a row may hold. Returns the state and StepOutput `[k, B]`."""
@@ -355,8 +351,13 @@ def decode_steps(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state
 
     carry = (state.pages, state.positions[:n], state.tokens[:n], state.steps[:n],
              jax.tree.map(lambda a: a[:n], h))
-    carry, res = jax.lax.scan(one, carry, None, length=k)
-    out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
+    if k == 1:
+        carry, res = one(carry, None)
+        out = StepOutput(res.tokens[None], res.logprobs[None], res.top_ids[None],
+                         res.top_logprobs[None])
+    else:
+        carry, res = jax.lax.scan(one, carry, None, length=k)
+        out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
     pages, positions, tokens, steps_, dec_history = carry
     history = TokenHistory(h.tokens.at[:n].set(dec_history.tokens),
                            h.counts.at[:n].set(dec_history.counts), h.prompt_seen)

@@ -55,8 +55,8 @@ def add_scale_flags(parser: argparse.ArgumentParser, processes: bool = True) -> 
                         help="how a decoder-only model's layers are compiled: 'unrolled' (a "
                              "copy of the layer per layer), 'scan' (one loop over stacked "
                              "layers: compile time nearly flat in depth); 'auto' (default) = "
-                             "scan on TPU and GPU and for int8/int4 weights on CPU, unrolled "
-                             "for float weights on CPU")
+                             "scan on TPU and GPU and for int4 weights on CPU, unrolled for "
+                             "float and int8 weights on CPU")
     parser.add_argument("--mesh", default=None,
                         help="the device mesh, e.g. data=2,model=4 (slots over data, heads and "
                              "MLP over model; default: chosen for the model and devices)")

@@ -109,8 +109,11 @@ def test_the_setting_is_checked_and_defaults_per_backend():
     with pytest.raises(InvalidParameterError, match="layer_loop"):
         EngineConfig(layer_loop="rolled")
     assert default_layer_loop("cpu") == "unrolled"
-    assert default_layer_loop("cpu", quantized=True) == "scan"  # int8 / int4 weights
-    assert EngineConfig().scans_layers(quantized=True) and not EngineConfig().scans_layers()
+    assert default_layer_loop("cpu", "int4") == "scan"
+    assert default_layer_loop("cpu", "int8") == default_layer_loop("cpu", "int8-all") == "unrolled"
+    assert EngineConfig().scans_layers(quantization="int4")
+    assert not EngineConfig().scans_layers() and not EngineConfig().scans_layers(
+        quantization="int8")
     assert default_layer_loop("tpu") == default_layer_loop("gpu") == "scan"
     assert EngineConfig(layer_loop="scan").scans_layers()
     assert not EngineConfig(layer_loop="scan").scans_layers(encoder_decoder=True)

@@ -150,9 +150,9 @@ def test_engine_quantizes_a_float_model_and_decodes_greedily():
         max_slots=2, max_len=64, min_prefill_bucket=16, max_prefill_len=16,
         num_top_logprobs=1, quantization="int8", compilation_cache_dir=str(CACHE)))
     assert engine.model_config.quantization == "int8"
-    blocks = engine.params.blocks  # int8 weights: the layers scanned, stacked [L, ...]
-    assert blocks["mlp"]["down"][...].dtype == jnp.int8
-    assert blocks["mlp"]["down_scale"][...].shape == (cfg.num_layers, cfg.hidden_size)
+    layer = engine.params.layers[0]
+    assert layer["mlp"]["down"][...].dtype == jnp.int8
+    assert layer["mlp"]["down_scale"][...].shape == (cfg.hidden_size,)
     prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 7).tolist()
     state = engine.init_decode_state()
     state, first = engine.add(state, [(0, prompt, SlotSettings())])
