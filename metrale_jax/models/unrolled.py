@@ -49,11 +49,14 @@ class LayerGraph:
 
 
 def layer_of(x: jax.Array, i: int) -> jax.Array:
-    """Layer `i` of a stacked `[L, ...]` array, a copy. On one CPU device it is sliced on the
-    host (a zero-copy view, then one transfer): indexing on the device would compile a
-    dynamic slice per weight shape, ~0.5 s of every start for the default model."""
+    """Layer `i` of a stacked `[L, ...]` array, a copy. On one CPU device of a single process
+    it is sliced on the host (a zero-copy view, then one transfer): indexing on the device
+    would compile a dynamic slice per weight shape, ~0.5 s of every start for the default
+    model. (In a multi-process run the slice stays a device op: an array committed to one
+    local device could not then be placed on the global mesh.)"""
     devices = getattr(x, "devices", lambda: set())()
-    if isinstance(x, jax.Array) and len(devices) == 1 and next(iter(devices)).platform == "cpu":
+    if (isinstance(x, jax.Array) and len(devices) == 1 and jax.process_count() == 1
+            and next(iter(devices)).platform == "cpu"):
         return jax.device_put(np.asarray(x)[i], next(iter(devices)))
     return x[i]
 
