@@ -32,6 +32,14 @@ ARCH_CONFIGS: dict[str, tuple[type, type, dict]] = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
                dict(sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=20.0,
                     final_logit_softcapping=15.0, num_hidden_layers=4)),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               dict(sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=4,
+                    layer_types=["sliding_attention", "sliding_attention",
+                                 "sliding_attention", "full_attention"],
+                    rope_parameters={
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                           "rope_theta": 1000000.0}})),
 }
 
 

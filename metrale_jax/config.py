@@ -68,6 +68,9 @@ class ModelConfig:
         sliding_window / sliding_layers: per-layer local attention (Gemma 2 alternates,
             Mistral uses it on every layer); `sliding_layers[i]` says whether layer i is local.
         query_pre_attn_scalar: attention scale is its -1/2 power instead of D^-1/2 (Gemma 2).
+        rope_local_theta: the RoPE base of the sliding-window layers, which take no
+            `rope_scaling` (Gemma 3: 10,000 locally, `rope_theta` 1,000,000 globally); None:
+            every layer rotates by `rope_theta` and `rope_scaling`.
         encoder_decoder: for an encoder-decoder translation model ("m2m_100": M2M100 /
             NLLB-200), its full `families.m2m100.M2M100Config`; the other fields then describe
             its decoder (the part the engine's paged steps run: L decoder layers of H heads,
@@ -94,6 +97,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_local_theta: float | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     hidden_act: Literal["silu", "gelu_tanh"] = "silu"

@@ -128,11 +128,14 @@ class Family:
     gguf_head_dim_from_rope: the head dim falls back to `rope.dimension_count` (llama.cpp's
         Llama converter) before `E // H`. gguf_permuted_qk: llama.cpp permuted the rows of
         the Q and K projections (its Llama converter); the reader undoes it.
+    chat_template: the Jinja chat template of a checkpoint that carries none (a base model's
+        GGUF: the family's own turn format, as llama.cpp picks one by name); None: such a
+        checkpoint has no chat template (chat requests are refused, completions work).
 
     Not declared here: sharding axes (they sit beside the param shapes in `models/`: every
     decoder family shares `models/layers`' table, M2M100 and the vision tower have theirs),
-    and chat templates or tool/reasoning parsers (none is chosen per family: the template
-    comes with the checkpoint and the parsers are detected from its source).
+    and tool/reasoning parsers (detected from the chat template's source; the template comes
+    with the checkpoint, the family's only where the checkpoint has none).
     """
 
     name: str
@@ -148,6 +151,7 @@ class Family:
     gguf_layer_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
     gguf_head_dim_from_rope: bool = False
     gguf_permuted_qk: bool = False
+    chat_template: str | None = None
 
 
 __all__ = ["CacheKind", "Family", "GgufMetadata", "GgufSwitches", "HfSwitches",

@@ -14,6 +14,22 @@ from metrale_jax.families.family import Family, GgufMetadata, hf_layer_windows
 
 GRAPH: Mapping[str, Any] = {"norm_weight_offset": True, "embed_scale": True}
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] | trim + '\n\n' -%}"
+    "{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+"""Gemma's turn format (`<start_of_turn>user ... <end_of_turn>`, the system prompt folded into
+the first user turn, as Google's templates do) for a Gemma checkpoint that carries no template
+(a base model's GGUF)."""
+
 
 def gguf_switches(meta: GgufMetadata, fields: Mapping[str, Any]) -> dict[str, Any]:
     """The GELU tanh activation and the 1e-6 norm epsilon default."""
@@ -31,4 +47,5 @@ FAMILY = Family(
     hf_defaults={"tie_word_embeddings": True},
     hf_switches=hf_layer_windows,
     gguf_switches=gguf_switches,
+    chat_template=CHAT_TEMPLATE,
 )

@@ -52,6 +52,7 @@ FAMILY = Family(
     hf_defaults={"tie_word_embeddings": True},
     hf_switches=hf_switches,
     gguf_switches=gguf_switches,
+    chat_template=gemma.CHAT_TEMPLATE,
     gguf_layer_tensors={
         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
         "post_attention_norm.weight": "post_attention_layernorm.weight",

@@ -242,11 +242,12 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
 
-    def qkv(self, x: jax.Array, positions: jax.Array, lora: LoraDelta | None = None
-            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(self, x: jax.Array, positions: jax.Array, lora: LoraDelta | None = None,
+            sliding: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, E], positions [B, T] int32 -> q [B, T, H, D], k and v [B, T, K, D], RoPE
         applied to q and k; lora: adds the per-token adapter updates of q, k and v (see
-        `LoraDelta`)."""
+        `LoraDelta`); sliding: the layer is a sliding-window one (its RoPE base is
+        `rope_local_theta` where the config has one)."""
         cfg = self.cfg
         q = qeinsum("bte,ehd->bthd", x, *linear_weight(self, "q_proj"))
         k = qeinsum("bte,ekd->btkd", x, *linear_weight(self, "k_proj"))
@@ -259,7 +260,10 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        theta, scaling = cfg.rope_theta, cfg.rope_scaling
+        if sliding and cfg.rope_local_theta is not None:
+            theta, scaling = cfg.rope_local_theta, None
+        inv_freq = rope_inverse_frequencies(cfg.head_dim, theta, scaling)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         return q, k, v

