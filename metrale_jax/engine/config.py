@@ -16,10 +16,14 @@ import os
 
 import jax
 
-from metrale_jax.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+from metrale_jax.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, ModelConfig
 from metrale_jax.engine.sharding import check_mesh_shape, parse_mesh
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.models.scanned import LAYER_LOOPS
+from metrale_jax.models.window_cache import window_columns
+
+SLIDING_CACHES = ("window", "full")
+"""The KV caches of sliding-window layers (`EngineConfig.sliding_cache`)."""
 
 DEFAULT_CACHE_DIR = "~/.cache/metrale/jax"
 DEFAULT_PAGE_SIZE = 16
@@ -111,6 +115,13 @@ class EngineConfig:
         scan on TPU and GPU and for int4 weights on CPU; unrolled for float and int8 weights
         on CPU, where the scan's per-layer weight slices cost decode speed). Encoder-decoder
         models always run unrolled.
+    sliding_cache: the KV cache of a model's sliding-window layers when it has global layers
+        too (Gemma 2 and 3): "window" (each row a ring of pages covering the window and the
+        longest write of one step, `models/window_cache.py`: the memory of those layers does
+        not grow with the context; the prefix cache is then off for the model and beam search
+        is refused, as llama.cpp's small SWA cache does) or "full" (every layer keeps every
+        position's page, as llama.cpp's `--swa-full`: prefix caching and beams work). None =
+        "window". Models without such layers ignore it.
     """
 
     max_slots: int | None = 8
@@ -139,6 +150,7 @@ class EngineConfig:
     max_images: int = 8
     speculative_tokens: int = 0
     layer_loop: str | None = None
+    sliding_cache: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -197,6 +209,8 @@ class EngineConfig:
             raise bad("num_pages", "must be an integer >= 2 (page 0 is reserved) or None")
         if self.layer_loop is not None and self.layer_loop not in LAYER_LOOPS:
             raise bad("layer_loop", f"must be one of {LAYER_LOOPS} or None")
+        if self.sliding_cache not in (None, *SLIDING_CACHES):
+            raise bad("sliding_cache", f"must be one of {SLIDING_CACHES} or None")
         if self.max_slots is None or self.max_len is None:  # to be chosen by the memory plan
             self._check_unresolved(bad)
             return
@@ -301,6 +315,22 @@ class EngineConfig:
         if encoder_decoder:
             return False
         return (self.layer_loop or default_layer_loop(quantization=quantization)) == "scan"
+
+    def window_columns(self, model: ModelConfig) -> int:
+        """W, the ring pages per row of `model`'s sliding-window layers with the window cache
+        (`sliding_cache`, `models/window_cache.py`), or 0 when its layers keep full pages:
+        "full" asked for, an encoder-decoder, no sliding layer, no global layer (every layer
+        windowed: its pages are the prefix cache's), or a ring as long as max_len. The
+        longest write of one row in one step is the largest chunk (`max_prefill_len`, 512
+        unset), `decode_steps` or a verify step's `speculative_tokens + 1`."""
+        kinds = model.layer_is_sliding
+        if (self.sliding_cache == "full" or model.is_encoder_decoder
+                or model.sliding_window is None or all(kinds) or not any(kinds)):
+            return 0
+        longest = max(self.max_prefill_len or 512, self.decode_steps,
+                      self.speculative_tokens + 1)
+        columns = window_columns(model.sliding_window, longest, self.page_size)
+        return columns if self.max_len is None or columns < self.pages_per_seq else 0
 
     @property
     def resolved_cache_dtype(self) -> str:

@@ -26,6 +26,7 @@ one device or a pod slice the same calls run.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,6 +59,8 @@ from metrale_jax.engine.step_cost import StepCost
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.host_memory import release_free_memory
 from metrale_jax.models.unrolled import LayerParams
+
+log = logging.getLogger(__name__)
 
 Item = tuple[int, Sequence[int], SlotSettings]
 """One prompt for `Engine.add`: (slot, prompt token ids, settings)."""
@@ -110,9 +113,14 @@ class Engine:
         self.model_config, self.vocab_size = model_config, model_config.vocab_size
         B = cfg.max_slots
         self.num_pages = cfg.resolved_num_pages
-        # An encoder-decoder's decoder keys and values depend on its source: no prefix cache.
+        # An encoder-decoder's decoder keys and values depend on its source, and the rings of
+        # sliding-window layers (models/window_cache.py) are per row: no prefix cache.
+        self.window_columns = cfg.window_columns(model_config)
         cache = None
-        if cfg.prefix_cache and not self.encoder_decoder:
+        if self.window_columns and cfg.prefix_cache:
+            log.info("sliding-window layers keep a ring of %d pages per row: the prefix cache "
+                     "is off (sliding_cache='full' keeps it)", self.window_columns)
+        if cfg.prefix_cache and not self.encoder_decoder and not self.window_columns:
             cache = PrefixCache(int(cfg.prefix_cache_share * (self.num_pages - 1)))
         self.pages = PageTable(self.num_pages, cfg.page_size, B, cfg.max_len, cache)
         self.step_cost = StepCost(model_config, cfg.chunk_buckets)

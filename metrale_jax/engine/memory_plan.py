@@ -52,7 +52,9 @@ class MemoryPlan:
     mesh: (data, model); slots: B (a multiple of data); max_len: S;
     memory_bytes: the device memory (None: unknown, the plan was not checked);
     param_bytes: the device's params; token_bytes: KV cache bytes of one slot-token on the
-    device holding the slot; scratch_bytes, reserve_bytes: as the module docstring says.
+    device holding the slot (the layers with paged caches); scratch_bytes, reserve_bytes: as
+    the module docstring says; window_bytes: the rings of sliding-window layers
+    (`models/window_cache.py`): every slot's, whatever max_len (0 without them).
     """
 
     mesh: tuple[int, int]
@@ -63,6 +65,7 @@ class MemoryPlan:
     token_bytes: int
     scratch_bytes: int
     reserve_bytes: int
+    window_bytes: int = 0
 
     @property
     def slots_per_device(self) -> int:
@@ -76,8 +79,9 @@ class MemoryPlan:
 
     @property
     def used_bytes(self) -> int:
-        """params + KV cache + scratch + reserve."""
-        return self.param_bytes + self.cache_bytes + self.scratch_bytes + self.reserve_bytes
+        """params + KV cache (and window rings) + scratch + reserve."""
+        return (self.param_bytes + self.cache_bytes + self.window_bytes + self.scratch_bytes
+                + self.reserve_bytes)
 
     @property
     def free_bytes(self) -> int | None:
@@ -96,6 +100,8 @@ class MemoryPlan:
             f"    params   {_gib(self.param_bytes)}",
             f"    KV cache {_gib(self.cache_bytes)} ({_n(self.slots_per_device, 'slot')} x "
             f"{self.max_len} tokens x {self.token_bytes / 1024:.1f} KiB per slot-token)",
+            *([f"    windows  {_gib(self.window_bytes)} (the sliding layers' rings, "
+               "whatever the context)"] if self.window_bytes else []),
             f"    scratch  {_gib(self.scratch_bytes)} (largest prefill, decode logits)",
             f"    reserve  {_gib(self.reserve_bytes)} (XLA workspace, fragmentation)",
         ]
@@ -204,13 +210,15 @@ def kv_heads_per_device(cfg: ModelConfig, mesh_shape: tuple[int, int]) -> int:
 
 
 def token_bytes_per_device(cfg: ModelConfig, cache_itemsize: int,
-                           mesh_shape: tuple[int, int]) -> int:
+                           mesh_shape: tuple[int, int], layers: int | None = None) -> int:
     """KV cache bytes of one token of one slot on the device holding the slot:
     L x 2 (keys, values) x K_dev x D x itemsize; an int8 cache (itemsize 1) stores each row
-    with its float32 scale, `D + 4` bytes (`models/kv_quant.py`)."""
+    with its float32 scale, `D + 4` bytes (`models/kv_quant.py`). layers: count only that
+    many layers (None: all L)."""
     row = (stored_head_dim(cfg.head_dim, "int8") if cache_itemsize == 1
            else cfg.head_dim * cache_itemsize)
-    return cfg.num_layers * 2 * kv_heads_per_device(cfg, mesh_shape) * row
+    L = cfg.num_layers if layers is None else layers
+    return L * 2 * kv_heads_per_device(cfg, mesh_shape) * row
 
 
 def scratch_bytes_per_device(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
@@ -255,7 +263,8 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
                 slots: int | None = None, max_len: int | None = None,
                 prefill_len: int = 512, prefill_batch: int = 1,
                 reserve_fraction: float = 0.1, source_len: int = 0,
-                images: int = 0, quantization: str | None = None) -> MemoryPlan:
+                images: int = 0, quantization: str | None = None,
+                window_columns: int = 0, page_size: int = 16) -> MemoryPlan:
     """The largest KV cache that fits in `memory_bytes` per device beside the params.
 
     itemsize / cache_itemsize: bytes per param / cache element (4 float32, 2 bfloat16, 1 int8:
@@ -266,6 +275,9 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
     model's max positions); when not even `data` slots fit, S shrinks (a multiple of 128).
     Given both, the plan is checked. quantization: the weight mode ("int8" / "int8-all", None:
     `cfg.quantization`), whose int8 weights count 1 byte each (`param_bytes_per_device`).
+    window_columns: W > 0 when the sliding-window layers keep rings of W pages of
+    `page_size` per slot (`models/window_cache.py`): they count as `window_bytes`, the
+    paged cache only the other layers.
     Raises `MemoryPlanError` (nothing allocated) when the params alone, or the requested
     cache, do not fit, or the memory is unknown and B or S is not given; and
     `InvalidParameterError` when B is not a multiple of the data axis.
@@ -279,7 +291,10 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
     if max_len is not None and max_len < 2:
         raise InvalidParameterError(f"max_len={max_len} must be at least 2", param="max_len")
     params = param_bytes_per_device(cfg, itemsize, mesh_shape, quantization)
-    token = token_bytes_per_device(cfg, cache_itemsize, mesh_shape)
+    sliding = sum(bool(k) for k in cfg.layer_is_sliding) if window_columns else 0
+    token = token_bytes_per_device(cfg, cache_itemsize, mesh_shape, cfg.num_layers - sliding)
+    ring = window_columns * page_size * token_bytes_per_device(cfg, cache_itemsize, mesh_shape,
+                                                               sliding)
 
     def plan(b: int, s: int) -> MemoryPlan:
         scratch = scratch_bytes_per_device(
@@ -288,7 +303,7 @@ def plan_memory(cfg: ModelConfig, *, itemsize: int, cache_itemsize: int,
             source_len=source_len, images=images)
         reserve = int(reserve_fraction * memory_bytes) if memory_bytes is not None else 0
         return MemoryPlan(tuple(mesh_shape), b, s, memory_bytes, params, token, scratch,
-                          reserve)
+                          reserve, b * ring)
 
     if memory_bytes is None:
         if slots is None or max_len is None:

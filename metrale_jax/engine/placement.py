@@ -57,6 +57,7 @@ from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.models.scanned import StackedLayerParams, stack_layers
 from metrale_jax.models.seq2seq_ragged import CROSS_AXES, CrossCache, split_seq2seq
 from metrale_jax.models.unrolled import LayerParams, split_layers
+from metrale_jax.models.window_cache import WindowedPools
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,8 @@ def place(model_config: ModelConfig, config: EngineConfig,
         memory_bytes=device_memory_bytes(memory_gb=config.memory_gb), slots=config.max_slots,
         max_len=config.max_len, prefill_len=config.max_prefill_len or 512,
         prefill_batch=config.max_prefill_batch or 4, source_len=config.max_source_len,
-        images=config.max_images, quantization=model_config.quantization or config.quantization)
+        images=config.max_images, quantization=model_config.quantization or config.quantization,
+        window_columns=config.window_columns(model_config), page_size=config.page_size)
     log.info("%s", plan.describe())
     resolved = config.with_shapes(plan.slots, plan.max_len, shape)
     resolved = dataclasses.replace(resolved, num_pages=plan_pages(plan, resolved))
@@ -144,7 +146,8 @@ def plan_pages(plan: MemoryPlan, config: EngineConfig) -> int:
     page_bytes = config.page_size * plan.token_bytes
     if plan.memory_bytes is None:
         return config.resolved_num_pages
-    budget = plan.memory_bytes - plan.param_bytes - plan.scratch_bytes - plan.reserve_bytes
+    budget = (plan.memory_bytes - plan.param_bytes - plan.scratch_bytes - plan.reserve_bytes
+              - plan.window_bytes)
     fits = budget // page_bytes
     if config.num_pages is not None:
         if config.num_pages > fits:
@@ -240,11 +243,21 @@ class StepShardings:
             return slot_sharding(B, self.mesh, a.ndim - 1)
 
         slots = slot_sharding(B, self.mesh)
-        if config.scans_layers(model_config.is_encoder_decoder,
-                               model_config.quantization):
-            pages = page_pool_sharding(model_config, N, ps, self.mesh, stacked=True)
+        stacked = config.scans_layers(model_config.is_encoder_decoder,
+                                      model_config.quantization)
+
+        def pools(layers: int, num_pages: int):
+            if stacked:
+                return page_pool_sharding(model_config, num_pages, ps, self.mesh, stacked=True)
+            return (page_pool_sharding(model_config, num_pages, ps, self.mesh),) * layers
+
+        columns = config.window_columns(model_config)
+        if columns:  # the sliding layers' rings (models/window_cache.py)
+            sliding = sum(bool(s) for s in model_config.layer_is_sliding)
+            pages = WindowedPools(pools(model_config.num_layers - sliding, N),
+                                  pools(sliding, B * columns + 1))
         else:
-            pages = (page_pool_sharding(model_config, N, ps, self.mesh),) * model_config.num_layers
+            pages = pools(model_config.num_layers, N)
         return DecodeState(
             pages=pages,
             positions=slots,

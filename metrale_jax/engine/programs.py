@@ -235,7 +235,8 @@ class StepPrograms:
                               pool_rows, float_dtype=jnp.dtype(config.dtype),
                               stacked_pages=config.scans_layers(
                                   model_config.is_encoder_decoder,
-                                  model_config.quantization)),
+                                  model_config.quantization),
+                              window_columns=config.window_columns(model_config)),
             out_shardings=shardings.state)
         self.state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from metrale_jax.engine.sampling import sample
 from metrale_jax.engine.sampling_state import TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
-from metrale_jax.engine.steps import SampleConfig, head, pad_columns, slot_of
+from metrale_jax.engine.steps import SampleConfig, head, pad_columns, slot_of, with_window
 from metrale_jax.models.paged_attention import decode_kernel_applies, use_tpu_kernel
 from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
+from metrale_jax.models.scanned import pool_page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ def verify_step(graph, sc: SampleConfig, shape: VerifyShape, params, state: Deco
     many of them row b emits (a + 1; 0 for inactive rows).
     """
     B, pps = state.tokens.shape[0], page_table.shape[1]
-    page_size = state.pages[0].shape[1]
+    page_size = pool_page_size(state.pages)
     cap = pps * page_size
     n, k = shape.n, shape.k
     K1 = k + 1
@@ -84,7 +85,7 @@ def verify_step(graph, sc: SampleConfig, shape: VerifyShape, params, state: Deco
     safe_rows = jnp.clip(rows_c, 0, B - 1)
     slots = slot_of(page_table[safe_rows], pos_c, real_c, page_size)
     compute = params.outer["final_norm"]["weight"][...].dtype  # the queries' dtype
-    if decode_kernel_applies(compute, state.pages[0].dtype):
+    if decode_kernel_applies(compute, jax.tree.leaves(state.pages)[0].dtype):
         # Where decode attention is the CPU kernel, each verify token is a decode row of its
         # own (its row's pages, its position + 1 visible; the row's earlier tokens of this
         # step are written before attention): the arithmetic decoding gives that position.
@@ -99,6 +100,8 @@ def verify_step(graph, sc: SampleConfig, shape: VerifyShape, params, state: Deco
         layout = StepLayout(slots=slots, dec_table=page_table[:0],
                             dec_lens=jnp.zeros((0,), jnp.int32), chunk_rows=rows_c,
                             page_table=page_table, kernel=kernel)
+    layout = with_window(layout, state.pages, safe_rows if n_dec else safe_rows[:0], rows_c,
+                         pos_c)
     mix = None
     if lora is not None:
         mix = jnp.where(real_c[:, None], lora_mix[safe_rows], 0.0)

@@ -29,6 +29,12 @@ from metrale_jax.models.scanned import copy_pages, pool_page_size, zero_pools
 from metrale_jax.models.seq2seq_ragged import CrossCache, Seq2SeqGraph
 from metrale_jax.models.unrolled import LayerGraph, LayerParams
 from metrale_jax.models.vision import encode_images as encode_vision
+from metrale_jax.models.window_cache import (
+    WindowedPools,
+    ring_columns,
+    ring_slots,
+    window_table,
+)
 
 
 def _as_output(res: SampleResult) -> StepOutput:
@@ -149,7 +155,7 @@ def sample_rows(sc: SampleConfig, shape: SampleShape, state: DecodeState,
 def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
                cache_dtype: jnp.dtype, source_len: int = 0, image_rows: int = 0,
                float_dtype: jnp.dtype | None = None, *,
-               stacked_pages: bool = False) -> DecodeState:
+               stacked_pages: bool = False, window_columns: int = 0) -> DecodeState:
     """An empty decode state: greedy rows at position 0 and zero page pools
     (L x `[num_pages, page_size, 2K, D]`, or `D + 4` int8 rows with their scales for an int8
     cache: `models/kv_quant.py`; `stacked_pages`: one pool `[L, num_pages, ...]` for the
@@ -157,14 +163,23 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
     encoder-decoder's rows hold sources of up to `source_len` tokens (`CrossCache`); a
     vision-language model's image feature pool holds `image_rows` rows `[image_rows, E]`.
     Those two are kept in `cache_dtype` when it is a float, else in `float_dtype` (None:
-    float32)."""
+    float32). window_columns: W > 0 gives the sliding layers rings of W pages per row
+    (`WindowedPools`, `models/window_cache.py`)."""
     zeros = jnp.zeros((slots,), jnp.int32)
     shape = (num_pages, page_size, 2 * cfg.num_kv_heads,
              stored_head_dim(cfg.head_dim, cache_dtype))
+    if window_columns:
+        sliding = sum(bool(s) for s in cfg.layer_is_sliding)
+        pages = WindowedPools(
+            zero_pools(cfg.num_layers - sliding, shape, cache_dtype, stacked=stacked_pages),
+            zero_pools(sliding, (slots * window_columns + 1, *shape[1:]), cache_dtype,
+                       stacked=stacked_pages))
+    else:
+        pages = zero_pools(cfg.num_layers, shape, cache_dtype, stacked=stacked_pages)
     side = (jnp.dtype(float_dtype or jnp.float32) if is_quantized(cache_dtype)
             else cache_dtype)
     return DecodeState(
-        pages=zero_pools(cfg.num_layers, shape, cache_dtype, stacked=stacked_pages),
+        pages=pages,
         positions=zeros, tokens=zeros, steps=zeros,
         sampling=SamplingState.device_defaults(slots, cfg.vocab_size),
         history=TokenHistory.zeros(slots, length, cfg.vocab_size),
@@ -213,6 +228,31 @@ def slot_of(table: jax.Array, positions: jax.Array, ok: jax.Array,
     page = jnp.take_along_axis(table, jnp.clip(positions // page_size, 0, pps - 1)[..., None],
                                axis=-1)[..., 0]
     return jnp.where(ok, page * page_size + positions % page_size, positions % page_size)
+
+
+def with_window(layout: StepLayout, pages, dec_rows: jax.Array, token_rows: jax.Array,
+                positions: jax.Array) -> StepLayout:
+    """`layout` (a step's, in the paged pool) with its `window` set when `pages` are
+    `WindowedPools` (the sliding layers' rings, `models/window_cache.py`); else unchanged.
+    dec_rows: [n] int32, the row of each decode-tier token (n = `layout.dec_table` rows);
+    token_rows: [T] int32, each token's row (-1: padding); positions: [T] int32. A token
+    whose paged slot is on the null page (padding, an idle row) writes the rings' null page."""
+    if not isinstance(pages, WindowedPools):
+        return layout
+    B, pps = layout.page_table.shape
+    page_size = pool_page_size(pages)
+    columns = ring_columns(pages, B)
+    table = window_table(B, pps, columns)
+    ok = (layout.slots >= page_size) & (token_rows >= 0)
+    n = dec_rows.shape[0]
+    kernel = None
+    if layout.kernel is not None:
+        kernel = kernel_layout(table, layout.dec_lens, layout.chunk_rows, positions[n:])
+    window = StepLayout(
+        slots=ring_slots(token_rows, positions, ok, columns, page_size),
+        dec_table=table[jnp.clip(dec_rows, 0, B - 1)], dec_lens=layout.dec_lens,
+        chunk_rows=layout.chunk_rows, page_table=table, kernel=kernel)
+    return dataclasses.replace(layout, window=window)
 
 
 def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: LayerParams,
@@ -271,6 +311,10 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
                                    chunk.positions if C else jnp.zeros((0,), jnp.int32))
         layout = StepLayout(slots=slots, dec_table=dec_table, dec_lens=dec_lens,
                             chunk_rows=chunk_rows, page_table=page_table, kernel=kernel)
+        dec_rows = jnp.arange(n, dtype=jnp.int32)
+        layout = with_window(layout, pages, dec_rows,
+                             jnp.concatenate([dec_rows, chunk_rows]) if C else dec_rows,
+                             positions)
         if isinstance(graph, Seq2SeqGraph):  # the decoder, reading each row's source
             token_rows = jnp.arange(n, dtype=jnp.int32)
             if C:

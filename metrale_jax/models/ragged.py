@@ -39,6 +39,7 @@ from metrale_jax.models.paged_attention import (
 )
 from metrale_jax.models.scanned import StackedLayerParams, layer_group, zero_pools
 from metrale_jax.models.unrolled import LayerGraph, LayerParams
+from metrale_jax.models.window_cache import WindowedPools, group_pools, layer_pools
 
 # Logical axes of one layer's page pool [N, ps, 2K, D] (engine/sharding.py maps them).
 PAGE_AXES: tuple[str | None, ...] = (None, None, "kv_pairs", "head_dim")
@@ -57,6 +58,8 @@ class StepLayout:
     page_table: [B, PPS] int32, every row's pages (the chunk's pieces read their context
         through their rows).
     kernel: the same step for the TPU kernel (`kernel_layout`), on TPU only (else None).
+    window: the same step in the sliding-window layers' rings, for pools that are
+        `WindowedPools` (`models/window_cache.py`; else None).
     """
 
     slots: jax.Array
@@ -65,6 +68,7 @@ class StepLayout:
     chunk_rows: jax.Array
     page_table: jax.Array
     kernel: KernelLayout | None = None
+    window: StepLayout | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -135,14 +139,17 @@ def ragged_layers(graph: LayerGraph, params: LayerParams | StackedLayerParams, p
     if isinstance(params, StackedLayerParams):
         return _scanned_layers(graph, params, pages, x, positions, layout, n=n, lora=lora,
                                lora_mix=lora_mix)
+    kinds = tuple(bool(s) for s in graph.cfg.layer_is_sliding)
+    windowed = isinstance(pages, WindowedPools)
+    pools = layer_pools(pages, kinds) if windowed else pages
     new_pages = []
-    layer_lora = lora if lora is not None else (None,) * len(pages)
-    for state, sliding, pool, lw in zip(params.layers, graph.cfg.layer_is_sliding, pages,
-                                        layer_lora, strict=True):
-        x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, layout, lw,
-                                lora_mix, sliding=bool(sliding), n=n)
+    layer_lora = lora if lora is not None else (None,) * len(pools)
+    for state, sliding, pool, lw in zip(params.layers, kinds, pools, layer_lora, strict=True):
+        lay = layout.window if (windowed and sliding) else layout
+        x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, lay, lw,
+                                lora_mix, sliding=sliding, n=n)
         new_pages.append(pool)
-    return x, tuple(new_pages)
+    return x, (group_pools(new_pages, kinds) if windowed else tuple(new_pages))
 
 
 def layer_layout(layout: StepLayout, layer: jax.Array, num_pages: int,
@@ -159,7 +166,8 @@ def layer_layout(layout: StepLayout, layer: jax.Array, num_pages: int,
         page_table=layout.page_table + first, kernel=kernel)
 
 
-def _scanned_layers(graph: LayerGraph, params: StackedLayerParams, pages: jax.Array,
+def _scanned_layers(graph: LayerGraph, params: StackedLayerParams,
+                    pages: jax.Array | WindowedPools,
                     x: jax.Array, positions: jax.Array, layout: StepLayout, *, n: int,
                     lora: tuple | None, lora_mix: jax.Array | None
                     ) -> tuple[jax.Array, jax.Array]:
@@ -168,30 +176,46 @@ def _scanned_layers(graph: LayerGraph, params: StackedLayerParams, pages: jax.Ar
     `[L, N, ps, 2K, D]` carried as `[L*N, ps, 2K, D]`, each layer addressed by
     `layer_layout`. The stacked weights are indexed in the body (`[layer]`), not reshaped into
     groups nor passed as scan inputs: either makes XLA:CPU copy every stacked weight into the
-    loop on each call. Per-layer LoRA weights are stacked first (the adapters are small)."""
+    loop on each call. Per-layer LoRA weights are stacked first (the adapters are small).
+    `WindowedPools`: two pools carried, the global layers' and the sliding layers' rings
+    (`layout.window`), each layer addressed within its own kind's stack."""
     cfg = graph.cfg
-    L, N, ps = pages.shape[0], pages.shape[1], pages.shape[2]
     G = layer_group(cfg)
     sliding = [bool(s) for s in cfg.layer_is_sliding[:G]]
     stacked_lora = None if lora is None else jax.tree.map(lambda *a: jnp.stack(a), *lora)
+    windowed = isinstance(pages, WindowedPools)
+    # each pool: (stacked array, its layers' layout); a windowed model's sliding layers
+    # (index 1) are numbered among themselves, as are its global ones (index 0)
+    stacks = [(pages.full, layout), (pages.window, layout.window)] if windowed else [
+        (pages, layout)]
+    per_group = [sum(1 for s in sliding if not s), sum(sliding)] if windowed else [G]
 
     def at(tree, layer):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False),
                             tree)
 
     def body(i, carry):
-        h, pool = carry
+        h, flats = carry
+        flats = list(flats)
+        seen = [0, 0]
         for j in range(G):
             layer = i * G + j
+            kind = int(windowed and sliding[j])
+            index = i * per_group[kind] + seen[kind]
+            seen[kind] += 1
+            stack, lay = stacks[kind]
             w = None if stacked_lora is None else at(stacked_lora, layer)
             block = nnx.merge(graph.block_def, at(params.blocks, layer))
-            h, pool = decoder_layer(block, h, positions, pool, layer_layout(layout, layer, N, ps),
-                                    w, lora_mix, sliding=sliding[j], n=n)
-        return h, pool
+            h, flats[kind] = decoder_layer(
+                block, h, positions, flats[kind],
+                layer_layout(lay, index, stack.shape[1], stack.shape[2]), w, lora_mix,
+                sliding=sliding[j], n=n)
+        return h, tuple(flats)
 
-    flat = pages.reshape(L * N, *pages.shape[2:])
-    x, flat = jax.lax.fori_loop(0, L // G, body, (x, flat))
-    return x, flat.reshape(pages.shape)
+    flats = tuple(s.reshape(s.shape[0] * s.shape[1], *s.shape[2:]) for s, _ in stacks)
+    x, flats = jax.lax.fori_loop(0, cfg.num_layers // G, body, (x, flats))
+    out = tuple(f.reshape(s.shape) for f, (s, _) in zip(flats, stacks, strict=True))
+    return x, (WindowedPools(*out) if windowed else out[0])
 
 
 def embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array,

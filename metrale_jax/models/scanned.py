@@ -32,6 +32,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.models.layers import AxesTable, stacked_axes
 from metrale_jax.models.transformer import BLOCK_AXES, TRANSFORMER_AXES
 from metrale_jax.models.unrolled import LayerGraph
+from metrale_jax.models.window_cache import WindowedPools
 
 # Logical axes of `StackedLayerParams`, keyed by its fields (engine/sharding.py maps them).
 STACKED_PARAMS_AXES: AxesTable = {
@@ -82,7 +83,10 @@ def layer_group(cfg: ModelConfig) -> int:
 
 
 def stacked_pages(pages) -> bool:
-    """Whether `pages` is the scanned form's one stacked pool (else a tuple, one per layer)."""
+    """Whether `pages` is the scanned form's one stacked pool (else a tuple, one per layer;
+    `WindowedPools`: the form of its parts)."""
+    if isinstance(pages, WindowedPools):
+        return stacked_pages(pages.full)
     return not isinstance(pages, tuple | list)
 
 
@@ -96,14 +100,19 @@ def zero_pools(num_layers: int, shape: tuple[int, ...], dtype, *, stacked: bool)
 
 def copy_pages(pages, dst: jax.Array, src: jax.Array):
     """Every layer's page `dst[i]` becomes a copy of its page `src[i]` (`[M] int32` each);
-    pages in either form, returned in the same form."""
+    pages in either form, returned in the same form. `WindowedPools`: the global layers'
+    pages only (the rings are per row, `models/window_cache.py`)."""
+    if isinstance(pages, WindowedPools):
+        return dataclasses.replace(pages, full=copy_pages(pages.full, dst, src))
     if stacked_pages(pages):
         return pages.at[:, dst].set(pages[:, src])
     return tuple(pool.at[dst].set(pool[src]) for pool in pages)
 
 
 def pool_page_size(pages) -> int:
-    """ps, positions per page, of pools in either form."""
+    """ps, positions per page, of pools in either form (or `WindowedPools`)."""
+    if isinstance(pages, WindowedPools):
+        return pool_page_size(pages.full)
     return (pages if stacked_pages(pages) else pages[0]).shape[-3]
 
 

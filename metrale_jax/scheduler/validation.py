@@ -135,6 +135,11 @@ class RequestValidator:
         if cfg.logprobs_mode != "raw":
             raise InvalidParameterError("beam search needs the server's logprobs mode 'raw'",
                                         param="num_beams")
+        if getattr(self.engine, "window_columns", 0):
+            raise InvalidParameterError(
+                "beam search is not available for this model's sliding-window cache (each row "
+                "keeps a ring of pages a beam cannot share); the server's --sliding-cache full "
+                "allows it", param="num_beams")
 
     def check_length(self, request: GenerationRequest) -> None:
         """The prompt plus max_tokens fits the context (max_len) and the KV cache's pages."""

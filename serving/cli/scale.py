@@ -49,14 +49,20 @@ def add_kv_cache_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_scale_flags(parser: argparse.ArgumentParser, processes: bool = True) -> None:
-    """Adds --mesh, --memory-gb and --layer-loop (and, with `processes`, the multi-host
-    flags)."""
+    """Adds --mesh, --memory-gb, --layer-loop and --sliding-cache (and, with `processes`,
+    the multi-host flags)."""
     parser.add_argument("--layer-loop", default="auto", choices=("auto", "unrolled", "scan"),
                         help="how a decoder-only model's layers are compiled: 'unrolled' (a "
                              "copy of the layer per layer), 'scan' (one loop over stacked "
                              "layers: compile time nearly flat in depth); 'auto' (default) = "
                              "scan on TPU and GPU and for int4 weights on CPU, unrolled for "
                              "float and int8 weights on CPU")
+    parser.add_argument("--sliding-cache", default="window", choices=("window", "full"),
+                        help="the KV cache of sliding-window layers beside global ones (Gemma "
+                             "2 and 3): 'window' (default) = a ring per sequence that does not "
+                             "grow with the context (no prefix cache, no beam search for the "
+                             "model); 'full' = every position's page (as llama.cpp's "
+                             "--swa-full)")
     parser.add_argument("--mesh", default=None,
                         help="the device mesh, e.g. data=2,model=4 (slots over data, heads and "
                              "MLP over model; default: chosen for the model and devices)")
@@ -85,6 +91,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["quantization"] = args.quantization
     if getattr(args, "layer_loop", "auto") != "auto":
         options["layer_loop"] = args.layer_loop
+    if getattr(args, "sliding_cache", "window") != "window":
+        options["sliding_cache"] = args.sliding_cache
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         options["cache_dtype"] = args.kv_cache_dtype
     return options
