@@ -115,7 +115,10 @@ def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source:
 
     def take(name: str) -> np.ndarray:
         if name not in tensors:
-            part = unfuse_projections(cfg, tensors, name)  # Phi-3's qkv_proj, gate_up_proj
+            try:  # Phi-3's qkv_proj, gate_up_proj
+                part = unfuse_projections(cfg, tensors, name)
+            except CheckpointError as e:
+                raise CheckpointError(f"{source}: {e}") from None
             if part is None:
                 raise CheckpointError(f"{source}: tensor {name!r} is missing")
             return part
