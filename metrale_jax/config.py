@@ -50,7 +50,8 @@ class RopeScaling:
     `original_max_position_embeddings`), "yarn" (YaRN: a ramp between interpolated and
     extrapolated frequencies over the `beta_fast` .. `beta_slow` rotations of
     `original_max_position_embeddings`, `truncate`d to whole dimensions), "longrope"
-    (Phi-3's per-frequency divisors: `long_factor` when `long_context`, else `short_factor`).
+    (Phi-3's per-frequency divisors: `long_factor` when `long_context`, else `short_factor`;
+    the engine sets `long_context` for its own context: `models/transformer.rope_for_context`).
 
     attention_factor: cos and sin are multiplied by it (YaRN's mscale, LongRoPE's
     sqrt(1 + ln s / ln L)), resolved when the checkpoint is read. partial_rotary_factor: the

@@ -131,12 +131,9 @@ def test_dicts_saved_before_yarn_and_longrope_still_load():
 # ----------------------------------------------------------------------------------------------
 # Logits and greedy tokens.
 
-def load(arch: str, folder, **overrides):
-    hf = build_hf_model(arch, folder)
+def load(arch: str, folder, overrides: dict | None = None):
+    hf = build_hf_model(arch, folder, overrides=overrides)
     cfg = read_hf_config(folder)
-    if overrides:
-        cfg = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(cfg.rope_scaling,
-                                                                        **overrides))
     graphdef, params = assemble_params(cfg, read_safetensors(folder), folder)
     return hf, cfg, graphdef, params
 
@@ -190,24 +187,35 @@ def hf_greedy(hf, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize(("arch", "lengths"), [("phi3", (5, 17, 45)),
-                                               ("phi3_long", (26, 45)),
-                                               ("llama_dynamic", (9, 30))])
-def test_greedy_through_the_paged_engine_matches_transformers(arch, lengths, tmp_path):
-    """48 greedy tokens of each prompt, all in one engine. phi3_long's prompts are past
-    original_max_position_embeddings (transformers then uses the long factors throughout);
-    dynamic compares with transformers' model holding the fixed base of `factor` x its
-    positions (its own would change the base as the sequence grows)."""
+GREEDY = [("phi3", (5, 17, 45), None, 128),
+          ("phi3_long", (26, 45), None, 128),
+          ("phi3_long", (5, 16), {"original_max_position_embeddings": 64}, 64),
+          ("llama_dynamic", (9, 30), None, 128)]
+
+
+@pytest.mark.parametrize(("arch", "lengths", "overrides", "max_len"), GREEDY)
+def test_greedy_through_the_paged_engine_matches_transformers(arch, lengths, overrides,
+                                                               max_len, tmp_path):
+    """48 greedy tokens of each prompt, all in one engine of `max_len` positions.
+    LongRoPE: an engine whose context exceeds original_max_position_embeddings uses the long
+    factors, as transformers does for prompts past it; one within it (64 of a checkpoint's
+    256) the short ones, as transformers does for every sequence up to it. Dynamic compares
+    with transformers' model holding the fixed base of `factor` x its positions (its own
+    would change the base as the sequence grows)."""
     from tests.engine.conftest import make_engine
 
-    hf, cfg, graphdef, params = load(arch, tmp_path)
+    hf, cfg, graphdef, params = load(arch, tmp_path, overrides)
     hf.generation_config.eos_token_id = None
     if arch == "llama_dynamic":
         rotary = hf.model.rotary_emb
         rotary.rope_type = "default"  # no re-derivation by length
         table = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         rotary.inv_freq.copy_(torch.from_numpy(table))
-    engine = make_engine(cfg, graphdef, params)
+    engine = make_engine(cfg, graphdef, params, max_len=max_len)
+    if cfg.rope_scaling.kind == "longrope":  # the engine's context picks the factors
+        assert cfg.rope_scaling.long_context == (arch == "phi3_long")
+        original = cfg.rope_scaling.original_max_position_embeddings
+        assert engine.model_config.rope_scaling.long_context == (max_len > original)
     rng = np.random.default_rng(9)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
     for prompt, got in zip(prompts, run_engine(engine, prompts, NEW_TOKENS), strict=True):
