@@ -169,6 +169,13 @@ class ModelConfig:
             raise CheckpointError(
                 f"model config: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}")
+        rope = self.rope_scaling
+        if rope is not None and rope.kind == "longrope" and len(rope.short_factor) != int(
+                self.head_dim * rope.partial_rotary_factor) // 2:
+            raise CheckpointError(
+                f"model config: longrope has {len(rope.short_factor)} factors per set, but "
+                f"the heads rotate {int(self.head_dim * rope.partial_rotary_factor) // 2} "
+                "frequencies")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise CheckpointError("model config: sliding_layers must have one entry per layer")
         if self.quantization not in (None, *QUANTIZATIONS):

@@ -118,6 +118,13 @@ def test_each_scaling_round_trips_through_a_dict(arch):
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
+def test_longrope_factor_lists_must_fit_the_rotated_dimensions():
+    saved = ours_of(hf_config("phi3")).to_dict()  # 16 x 0.75 = 12 rotated: 6 frequencies
+    rope = {**saved["rope_scaling"], "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    with pytest.raises(CheckpointError, match="8 factors per set.*rotate 6"):
+        ModelConfig.from_dict({**saved, "rope_scaling": rope})
+
+
 def test_dicts_saved_before_yarn_and_longrope_still_load():
     base = ours_of(hf_config("llama")).to_dict()
     for kind in ("linear", "llama3"):
