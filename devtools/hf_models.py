@@ -17,6 +17,8 @@ COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=256)
 
+PHI3_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # its defaults: 32000
+
 ARCH_CONFIGS: dict[str, tuple[type, type, dict]] = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
@@ -40,14 +42,42 @@ ARCH_CONFIGS: dict[str, tuple[type, type, dict]] = {
                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                         "full_attention": {"rope_type": "linear", "factor": 2.0,
                                            "rope_theta": 1000000.0}})),
+    # Phi-4-mini-like: fused projections, 3/4 of each head rotated, LongRoPE (short factors:
+    # the context stays within original_max_position_embeddings; see ROPE_VARIANTS).
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        **PHI3_IDS, partial_rotary_factor=0.75, original_max_position_embeddings=256,
+        rope_scaling={"rope_type": "longrope", "factor": 4.0,
+                      "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+                      "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
+    "llama_linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_yarn": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False})),
+    "qwen2_yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
 }
+
+ROPE_VARIANTS: dict[str, tuple[type, type, dict]] = {
+    # transformers re-derives these RoPE tables from the sequence's length, which a paged
+    # cache cannot (docs/architecture.md, "RoPE"): tests/models/test_rope_scaling.py compares
+    # them where the two agree.
+    "llama_dynamic": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    "phi3_long": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        **PHI3_IDS, original_max_position_embeddings=24, sliding_window=40,
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": [1.0, 1.1, 1.2, 1.4, 1.7, 2.1, 2.6, 3.2],
+                      "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]})),
+}
+"""Tiny models whose RoPE scaling transformers applies per sequence length."""
 
 
 def build_hf_model(arch: str, folder: Path, seed: int = 0,
                    overrides: dict | None = None) -> transformers.PreTrainedModel:
     """Builds, randomises and saves a tiny `arch` model into `folder`; returns it (eval mode).
     overrides: config fields that replace the tiny defaults (e.g. more heads)."""
-    config_cls, model_cls, extra = ARCH_CONFIGS[arch]
+    config_cls, model_cls, extra = {**ARCH_CONFIGS, **ROPE_VARIANTS}[arch]
     config = config_cls(**{**COMMON, **extra, **(overrides or {})})
     torch.manual_seed(seed)
     model = model_cls(config).eval()

@@ -33,20 +33,65 @@ def check_int4_inputs(k: int) -> None:
             f"{INT4_BLOCK} (this model has a layer with {k})", param="quantization")
 
 
+ROPE_KINDS: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+"""The RoPE scalings Metrale-JAX applies (transformers' `rope_type`s of Llama, Qwen, Phi)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling, as transformers' `rope_scaling` describes it.
+    """RoPE frequency scaling, as transformers' `rope_scaling` / `rope_parameters` describe it
+    (how each is applied, and the paged cache's choices: docs/architecture.md, "RoPE").
 
-    kind: "linear" (positions divided by `factor`) or "llama3" (Llama 3.1's smooth per-frequency
-    scaling between `low_freq_factor` and `high_freq_factor` wavelengths of
-    `original_max_position_embeddings`).
+    kind: "default" (no scaling: only a `partial_rotary_factor` below 1), "linear"
+    (frequencies divided by `factor`), "dynamic" (NTK: a larger base; fixed here at the base
+    transformers computes for `factor` x the model's positions, as vLLM does, since cached
+    keys cannot be re-rotated), "llama3" (Llama 3.1's smooth per-frequency scaling between
+    `low_freq_factor` and `high_freq_factor` wavelengths of
+    `original_max_position_embeddings`), "yarn" (YaRN: a ramp between interpolated and
+    extrapolated frequencies over the `beta_fast` .. `beta_slow` rotations of
+    `original_max_position_embeddings`, `truncate`d to whole dimensions), "longrope"
+    (Phi-3's per-frequency divisors: `long_factor` when `long_context`, else `short_factor`;
+    the engine sets `long_context` for its own context: `models/transformer.rope_for_context`).
+
+    attention_factor: cos and sin are multiplied by it (YaRN's mscale, LongRoPE's
+    sqrt(1 + ln s / ln L)), resolved when the checkpoint is read. partial_rotary_factor: the
+    fraction of each head's `D` dimensions rotated (the first ones; Phi-4-mini 0.75).
     """
 
-    kind: Literal["linear", "llama3"]
+    kind: Literal["default", "linear", "dynamic", "llama3", "yarn", "longrope"]
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    long_context: bool = False
+    partial_rotary_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise CheckpointError(f"RoPE scaling type {self.kind!r} is not supported "
+                                  f"(supported: {', '.join(ROPE_KINDS)})")
+        if self.kind == "longrope" and (not self.short_factor or
+                                        len(self.short_factor) != len(self.long_factor)):
+            raise CheckpointError("longrope RoPE scaling needs short_factor and long_factor "
+                                  "lists of the same length (one per rotated frequency)")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise CheckpointError(f"partial_rotary_factor must be in (0, 1], not "
+                                  f"{self.partial_rotary_factor}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RopeScaling:
+        """Reads what `dataclasses.asdict` wrote (the factor lists as tuples); a dict saved
+        before the yarn / longrope fields existed (kind linear or llama3) loads as it was."""
+        d = dict(d)
+        for name in ("short_factor", "long_factor"):
+            d[name] = tuple(float(x) for x in d.get(name) or ())
+        return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +173,13 @@ class ModelConfig:
             raise CheckpointError(
                 f"model config: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}")
+        rope = self.rope_scaling
+        if rope is not None and rope.kind == "longrope" and len(rope.short_factor) != int(
+                self.head_dim * rope.partial_rotary_factor) // 2:
+            raise CheckpointError(
+                f"model config: longrope has {len(rope.short_factor)} factors per set, but "
+                f"the heads rotate {int(self.head_dim * rope.partial_rotary_factor) // 2} "
+                "frequencies")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise CheckpointError("model config: sliding_layers must have one entry per layer")
         if self.quantization not in (None, *QUANTIZATIONS):
@@ -176,7 +228,7 @@ class ModelConfig:
         """Reads what `to_dict` wrote."""
         d = dict(d)
         if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+            d["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
         d["sliding_layers"] = tuple(d.get("sliding_layers") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         if d.get("encoder_decoder") is not None:

@@ -56,6 +56,7 @@ from metrale_jax.models.quant4 import is_block_scale
 from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.models.scanned import StackedLayerParams, stack_layers
 from metrale_jax.models.seq2seq_ragged import CROSS_AXES, CrossCache, split_seq2seq
+from metrale_jax.models.transformer import rope_for_context
 from metrale_jax.models.unrolled import LayerParams, split_layers
 from metrale_jax.models.window_cache import WindowedPools
 
@@ -175,6 +176,8 @@ def place_params(model_config: ModelConfig, graphdef: nnx.GraphDef, params: Any,
         raise InvalidParameterError(
             "engine config: layer_loop='scan' is for decoder-only models; an encoder-decoder "
             "model runs its layers unrolled (layer_loop='unrolled' or None)", param="layer_loop")
+    # LongRoPE's factors for this engine's context (docs/architecture.md, "RoPE").
+    model_config, graphdef = rope_for_context(model_config, graphdef, config.max_len)
     if config.quantization and model_config.quantization is None:  # a float model given
         model_config, graphdef, params = quantize_state(model_config, params,
                                                         config.quantization)

@@ -6,7 +6,8 @@ read from `config.json` and GGUF metadata, its GGUF tensor names where they diff
 cache kinds; `m2m100.py` and `llava.py` also hold the configs of their extra parts
 (`M2M100Config`, `VisionConfig`). `registry.py` is the one table of them.
 
-  llama, mistral, qwen2, qwen3, gemma, gemma2   decoder-only (one layer graph, switches)
+  llama, mistral, qwen2, qwen3, gemma, gemma2,  decoder-only (one layer graph, switches)
+  phi3
   m2m100                                        encoder-decoder translation (M2M100, NLLB)
   llava                                         a vision tower before a decoder family
 

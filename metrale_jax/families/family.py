@@ -131,6 +131,11 @@ class Family:
     chat_template: the Jinja chat template of a checkpoint that carries none (a base model's
         GGUF: the family's own turn format, as llama.cpp picks one by name); None: such a
         checkpoint has no chat template (chat requests are refused, completions work).
+    hf_rope_aliases: `rope_type` names the family's configs use for a type of another name
+        (Phi-3's "su" and "yarn" are LongRoPE, as its transformers config says).
+    fused_projections: checkpoints hold q/k/v as one `self_attn.qkv_proj` `[(H + 2K) * D, E]`
+        and gate/up as one `mlp.gate_up_proj` `[2F, E]` (Phi-3; GGUF `attn_qkv`, `ffn_up`);
+        the loader splits them (`weights/assemble.unfuse_projections`).
 
     Not declared here: sharding axes (they sit beside the param shapes in `models/`: every
     decoder family shares `models/layers`' table, M2M100 and the vision tower have theirs),
@@ -152,6 +157,8 @@ class Family:
     gguf_head_dim_from_rope: bool = False
     gguf_permuted_qk: bool = False
     chat_template: str | None = None
+    hf_rope_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    fused_projections: bool = False
 
 
 __all__ = ["CacheKind", "Family", "GgufMetadata", "GgufSwitches", "HfSwitches",

@@ -7,7 +7,18 @@ one and one line here. The indexes by HF `model_type` and GGUF `general.architec
 
 from __future__ import annotations
 
-from metrale_jax.families import gemma, gemma2, gemma3, llama, llava, m2m100, mistral, qwen2, qwen3
+from metrale_jax.families import (
+    gemma,
+    gemma2,
+    gemma3,
+    llama,
+    llava,
+    m2m100,
+    mistral,
+    phi3,
+    qwen2,
+    qwen3,
+)
 from metrale_jax.families.family import Family
 
 REGISTRY: dict[str, Family] = {family.name: family for family in (
@@ -18,6 +29,7 @@ REGISTRY: dict[str, Family] = {family.name: family for family in (
     gemma.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
+    phi3.FAMILY,
     m2m100.FAMILY,
     llava.FAMILY,
 )}

@@ -154,15 +154,28 @@ def lm_logits(cfg: ModelConfig, x: jax.Array, embed: jax.Array,
 
 def rope_inverse_frequencies(head_dim: int, theta: float,
                              scaling: RopeScaling | None) -> np.ndarray:
-    """The RoPE inverse frequencies `[D // 2] float32`, with `scaling` applied.
+    """The RoPE inverse frequencies `[R // 2] float32` of the `R` rotated dimensions of a head
+    (`R = D`, or `D * scaling.partial_rotary_factor`), with `scaling` applied as transformers'
+    `modeling_rope_utils` computes it:
 
     "linear" divides every frequency by the factor; "llama3" divides the low frequencies by it,
-    keeps the high ones and interpolates smoothly between (Llama 3.1's scheme).
+    keeps the high ones and interpolates smoothly between (Llama 3.1's scheme); "dynamic"
+    (NTK) raises the base to `theta * (factor^2 - factor + 1)^(R / (R - 2))`, the base
+    transformers uses at `factor` x its positions, fixed (a paged cache cannot re-rotate the
+    keys it holds as a sequence grows; vLLM's choice); "yarn" blends interpolated
+    (`/ factor`) and original frequencies along a ramp over the dimensions whose wavelengths
+    make `beta_fast` .. `beta_slow` turns in `original_max_position_embeddings`; "longrope"
+    divides frequency i by `long_factor[i]` when `long_context` else `short_factor[i]`. The
+    attention factor (yarn, longrope) is `rope_attention_factor`'s, applied by `apply_rope`.
     """
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if scaling is None:
+    rot = head_dim if scaling is None else int(head_dim * scaling.partial_rotary_factor)
+    kind = "default" if scaling is None else scaling.kind
+    if kind in ("dynamic", "yarn", "longrope"):  # transformers computes these in float32
+        return _float32_inverse_frequencies(rot, theta, scaling)
+    inv_freq = 1.0 / (theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
+    if kind == "default":
         return inv_freq.astype(np.float32)
-    if scaling.kind == "linear":
+    if kind == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -176,16 +189,59 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates `x: [B, T, N, D]` by `positions: [B, T] int32` (HF's rotate-half convention)."""
-    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+def _float32_inverse_frequencies(rot: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """"dynamic", "yarn" and "longrope" frequencies `[rot // 2] float32`, in transformers'
+    float32 arithmetic (see `rope_inverse_frequencies`)."""
+    exponents = np.arange(0, rot, 2, dtype=np.float32) / np.float32(rot)
+    factor = scaling.factor
+    if scaling.kind == "dynamic":
+        base = theta * (factor * factor - factor + 1) ** (rot / (rot - 2))
+        return (1.0 / np.power(np.float32(base), exponents)).astype(np.float32)
+    pos_freqs = np.power(np.float32(theta), exponents)
+    if scaling.kind == "longrope":
+        ext = scaling.long_factor if scaling.long_context else scaling.short_factor
+        return (1.0 / (np.asarray(ext, np.float32) * pos_freqs)).astype(np.float32)
+
+    def correction_dim(rotations: float) -> float:  # the dimension making `rotations` turns
+        old_len = scaling.original_max_position_embeddings
+        return rot * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(rot // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    inv_extra = 1.0 / pos_freqs
+    inv_inter = 1.0 / (np.float32(factor) * pos_freqs)
+    return (inv_inter * (1 - extrapolation) + inv_extra * extrapolation).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The factor cos and sin are multiplied by (1.0 unless yarn or longrope set one)."""
+    return 1.0 if scaling is None else scaling.attention_factor
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               attention_factor: float = 1.0) -> jax.Array:
+    """Rotates `x: [B, T, N, D]` by `positions: [B, T] int32` (HF's rotate-half convention)
+    over its first `R = 2 * len(inv_freq)` dimensions (`inv_freq: [R / 2]`; the other
+    `D - R` pass through: partial rotary), cos and sin multiplied by `attention_factor`."""
+    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [B, T, R/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
-    half = x.shape[-1] // 2
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    rot = 2 * angles.shape[-1]
+    half = rot // 2
     x1 = x[..., :half].astype(jnp.float32)
-    x2 = x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    x2 = x[..., half:rot].astype(jnp.float32)
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rot < x.shape[-1]:
+        parts.append(x[..., rot:].astype(jnp.float32))
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
 LoraDelta = Callable[[str, jax.Array], jax.Array]
@@ -264,8 +320,9 @@ class Attention(nnx.Module):
         if sliding and cfg.rope_local_theta is not None:
             theta, scaling = cfg.rope_local_theta, None
         inv_freq = rope_inverse_frequencies(cfg.head_dim, theta, scaling)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        factor = rope_attention_factor(scaling)
+        q = apply_rope(q, positions, inv_freq, factor)
+        k = apply_rope(k, positions, inv_freq, factor)
         return q, k, v
 
     def project_out(self, out: jax.Array) -> jax.Array:

@@ -9,6 +9,8 @@ checkpoints load into and shard by (`TRANSFORMER_AXES`). The NNX module is split
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -112,3 +114,20 @@ def abstract_model(cfg: ModelConfig,
         return abstract_m2m100(cfg.encoder_decoder, dtype)
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)
+
+
+def rope_for_context(cfg: ModelConfig, graphdef: nnx.GraphDef,
+                     max_len: int) -> tuple[ModelConfig, nnx.GraphDef]:
+    """`(cfg, graphdef)` with LongRoPE's factor set chosen for contexts of `max_len`
+    positions: the long factors only when `max_len` exceeds the scaling's
+    `original_max_position_embeddings` (vLLM's rule with `max_model_len = max_len`; a paged
+    cache keeps one rotation per key, so the choice is per engine, not per sequence). Any
+    other config is returned as it is; the params do not change."""
+    scaling = cfg.rope_scaling
+    if scaling is None or scaling.kind != "longrope":
+        return cfg, graphdef
+    long = max_len > scaling.original_max_position_embeddings
+    if long == scaling.long_context:
+        return cfg, graphdef
+    cfg = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(scaling, long_context=long))
+    return cfg, abstract_model(cfg)[0]

@@ -53,6 +53,39 @@ def _layer_specs(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, Callable]
     return specs
 
 
+FUSED_PROJECTIONS: dict[str, tuple[str, int]] = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+}
+"""Per-layer HF suffix of a split projection -> (the fused tensor holding it, its part)."""
+
+
+def unfuse_projections(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
+                       name: str) -> np.ndarray | None:
+    """HF tensor `name` cut from the fused projection that holds it (Phi-3's `qkv_proj`
+    `[(H + 2K) * D, E]`: rows q, then k, then v; `gate_up_proj` `[2F, E]`: gate, then up),
+    or None when `name` is not such a part or no fused tensor is there."""
+    prefix, _, suffix = name.partition(".layers.")
+    layer, _, suffix = suffix.partition(".")
+    if suffix not in FUSED_PROJECTIONS:
+        return None
+    fused_suffix, part = FUSED_PROJECTIONS[suffix]
+    fused_name = f"{prefix}.layers.{layer}.{fused_suffix}"
+    if fused_name not in tensors:
+        return None
+    fused = np.asarray(tensors[fused_name])
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    bounds = ((0, q, q + kv, q + 2 * kv) if suffix.startswith("self_attn")
+              else (0, cfg.intermediate_size, 2 * cfg.intermediate_size))
+    if fused.shape[0] != bounds[-1]:
+        raise CheckpointError(f"tensor {fused_name!r} has {fused.shape[0]} rows, but the "
+                              f"config implies {bounds[-1]}")
+    return fused[bounds[part]:bounds[part + 1]]
+
+
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -82,7 +115,13 @@ def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source:
 
     def take(name: str) -> np.ndarray:
         if name not in tensors:
-            raise CheckpointError(f"{source}: tensor {name!r} is missing")
+            try:  # Phi-3's qkv_proj, gate_up_proj
+                part = unfuse_projections(cfg, tensors, name)
+            except CheckpointError as e:
+                raise CheckpointError(f"{source}: {e}") from None
+            if part is None:
+                raise CheckpointError(f"{source}: tensor {name!r} is missing")
+            return part
         return np.asarray(tensors[name])
 
     def place(path: tuple[str, ...], value: np.ndarray, name: str) -> None:

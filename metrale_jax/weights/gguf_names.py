@@ -15,6 +15,7 @@ conversion (`convert_hf_to_gguf.py`) that turn a GGUF back into canonical tensor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -58,6 +59,10 @@ LAYER_TENSORS: dict[str, str] = {
 
 # Tensors llama.cpp may write that have no HF parameter (handled or ignored by the reader).
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS_LONG = "rope_factors_long.weight"   # Phi-3's LongRoPE divisors, `[R / 2]`
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+ROPE_TABLES: tuple[str, ...] = (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
+"""Whole-model RoPE tensors: read into the config (`RopeScaling`), not params."""
 IGNORED_LAYER_SUFFIXES: tuple[str, ...] = ("attn_rot_embd.weight",)  # old rotary inv_freq
 
 
@@ -93,8 +98,12 @@ def expected_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[s
         "model.norm.weight": (E,),
         "lm_head.weight": (V, E),
     }
+    fused = family_of_config(cfg.architecture).fused_projections
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if fused:  # Phi-3: q/k/v and gate/up as one tensor each (split by weights/assemble)
+            shapes.update({p + "self_attn.qkv_proj.weight": ((H + 2 * K) * D, E),
+                           p + "mlp.gate_up_proj.weight": (2 * F, E)})
         shapes.update({
             p + "input_layernorm.weight": (E,),
             p + "post_attention_layernorm.weight": (E,),
@@ -106,6 +115,10 @@ def expected_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[s
             p + "mlp.up_proj.weight": (F, E),
             p + "mlp.down_proj.weight": (E, F),
         })
+        if fused:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                del shapes[p + f"self_attn.{name}.weight"]
+            del shapes[p + "mlp.gate_proj.weight"], shapes[p + "mlp.up_proj.weight"]
         if cfg.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (H * D,),
                            p + "self_attn.k_proj.bias": (K * D,),
@@ -200,13 +213,67 @@ def llama3_freq_factors(scaling: RopeScaling, theta: float, rot_dim: int) -> np.
     return out.astype(np.float32)
 
 
+def gguf_rope_scaling(m: GgufMetadata, partial: float, rope_freqs: np.ndarray | None,
+                      rope_factors: tuple[np.ndarray, np.ndarray] | None, theta: float,
+                      rot_dim: int) -> RopeScaling | None:
+    """The `RopeScaling` of a GGUF file, as llama.cpp applies its metadata: Llama 3's
+    `rope_freqs` table (`llama3_rope_scaling`); Phi-3's LongRoPE factor tensors with
+    `rope.scaling.attn_factor` (derived from the context lengths when absent) and long factors
+    when `context_length` exceeds `rope.scaling.original_context_length` (llama.cpp and vLLM's
+    rule); `rope.scaling.type` "linear" or "yarn" (`rope.scaling.factor`,
+    `original_context_length`, `yarn_beta_fast` / `yarn_beta_slow`; the attention factor is
+    `attn_factor` (default 1) x YaRN's `0.1 ln(factor) + 1`, as llama.cpp computes it);
+    `partial` (`rope.dimension_count / D`) below 1 alone is a "default" scaling."""
+    path = m.path
+    kind = str(m.get(m.key("rope.scaling.type"), "none")).lower()
+    shared = {"partial_rotary_factor": partial}
+    context = m.integer("context_length", 2048)
+    original = m.integer("rope.scaling.original_context_length", context)
+    if rope_freqs is not None:
+        scaling = llama3_rope_scaling(rope_freqs, theta, rot_dim, path)
+        return None if scaling is None else dataclasses.replace(scaling, **shared)
+    if rope_factors is not None:
+        long, short = (np.asarray(f, np.float64).reshape(-1) for f in rope_factors)
+        if long.shape != (rot_dim // 2,) or short.shape != (rot_dim // 2,):
+            raise CheckpointError(f"{path}: {ROPE_FACTORS_LONG} / {ROPE_FACTORS_SHORT} have "
+                                  f"{long.size} / {short.size} entries, expected "
+                                  f"{rot_dim // 2} (half the rotary dimension)")
+        factor = context / original
+        default_attention = (1.0 if factor <= 1 else
+                             math.sqrt(1 + math.log(factor) / math.log(original)))
+        return RopeScaling(
+            "longrope", factor=factor, original_max_position_embeddings=original,
+            attention_factor=m.number("rope.scaling.attn_factor", default_attention),
+            short_factor=tuple(float(x) for x in short),
+            long_factor=tuple(float(x) for x in long), long_context=context > original,
+            **shared)
+    if kind == "linear":
+        return RopeScaling("linear", factor=m.number("rope.scaling.factor", 1.0), **shared)
+    if kind == "yarn":
+        factor = m.number("rope.scaling.factor", 1.0)
+        mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+        return RopeScaling(
+            "yarn", factor=factor, original_max_position_embeddings=original,
+            beta_fast=m.number("rope.scaling.yarn_beta_fast", 32.0),
+            beta_slow=m.number("rope.scaling.yarn_beta_slow", 1.0),
+            attention_factor=m.number("rope.scaling.attn_factor", 1.0) * mscale, **shared)
+    if kind not in ("none", ""):
+        raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported "
+                                    "(supported: none, linear, yarn; llama3 and longrope as "
+                                    "their factor tensors)")
+    return RopeScaling("default", **shared) if partial != 1.0 else None
+
+
 def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, Sequence[int]],
-                         path: Path, rope_freqs: np.ndarray | None = None) -> ModelConfig:
+                         path: Path, rope_freqs: np.ndarray | None = None,
+                         rope_factors: tuple[np.ndarray, np.ndarray] | None = None
+                         ) -> ModelConfig:
     """Builds the `ModelConfig` of a GGUF file.
 
     `meta` is the file's metadata as plain values, `shapes` maps each GGUF tensor name to its
     numpy shape (HF order, `[out, in]`), `rope_freqs` is the dequantized `rope_freqs.weight`
-    when the file has one. Raises `UnsupportedModelError` for architectures or features
+    when the file has one, `rope_factors` Phi-3's `(rope_factors_long, rope_factors_short)`
+    (each `[R / 2]`) when it has them. Raises `UnsupportedModelError` for architectures or features
     Metrale-JAX does not implement, `CheckpointError` for missing or malformed metadata.
     """
     arch = meta.get("general.architecture")
@@ -233,10 +300,10 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, Sequence[
     if value_D != D:
         raise UnsupportedModelError(f"{path}: key_length {D} != value_length {value_D}")
     rot_dim = m.integer("rope.dimension_count", D)
-    if rot_dim != D:
+    if rot_dim != D and (family.gguf_permuted_qk or not 0 < rot_dim < D or rot_dim % 2):
         raise UnsupportedModelError(
             f"{path}: partial rotary embeddings (rope.dimension_count={rot_dim}, head "
-            f"dimension {D}) are not supported")
+            f"dimension {D}) are not supported for {arch!r}")
 
     tokens = meta.get("tokenizer.ggml.tokens")
     if m.has("vocab_size"):
@@ -250,15 +317,7 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, Sequence[
                               "no token list, no token_embd.weight)")
 
     theta = m.number("rope.freq_base", 10000.0)
-    scaling: RopeScaling | None = None
-    kind = str(m.get(m.key("rope.scaling.type"), "none")).lower()
-    if rope_freqs is not None:
-        scaling = llama3_rope_scaling(rope_freqs, theta, rot_dim, path)
-    elif kind == "linear":
-        scaling = RopeScaling("linear", factor=m.number("rope.scaling.factor", 1.0))
-    elif kind not in ("none", ""):
-        raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported "
-                                    "(supported: none, linear, llama3)")
+    scaling = gguf_rope_scaling(m, rot_dim / D, rope_freqs, rope_factors, theta, rot_dim)
 
     bos = meta.get("tokenizer.ggml.bos_token_id")
     fields: dict[str, Any] = dict(

@@ -49,7 +49,10 @@ from metrale_jax.weights.gguf_header import (
 )
 from metrale_jax.weights.gguf_names import (
     IGNORED_LAYER_SUFFIXES,
+    ROPE_FACTORS_LONG,
+    ROPE_FACTORS_SHORT,
     ROPE_FREQS,
+    ROPE_TABLES,
     config_from_metadata,
     expected_shapes,
     hf_name,
@@ -105,7 +108,10 @@ def read_gguf(path: str | os.PathLike[str], *,
     shapes = {name: t.numpy_shape for name, t in by_name.items()}
     rope_freqs = (_dequantize(by_name[ROPE_FREQS], path, reference) if ROPE_FREQS in by_name
                   else None)
-    config = config_from_metadata(metadata, shapes, path, rope_freqs)
+    rope_factors = (tuple(_dequantize(by_name[n], path, reference)
+                          for n in (ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT))
+                    if ROPE_FACTORS_LONG in by_name and ROPE_FACTORS_SHORT in by_name else None)
+    config = config_from_metadata(metadata, shapes, path, rope_freqs, rope_factors)
     plan = _plan(config, by_name, shapes, path)
 
     permuted_qk = family_of_config(config.architecture).gguf_permuted_qk
@@ -240,7 +246,7 @@ def _plan(config: ModelConfig, by_name: dict[str, TensorInfo],
     plan: dict[str, TensorInfo] = {}
     unknown: list[str] = []
     for gguf_name, tensor in by_name.items():
-        if gguf_name == ROPE_FREQS or gguf_name.endswith(IGNORED_LAYER_SUFFIXES):
+        if gguf_name in ROPE_TABLES or gguf_name.endswith(IGNORED_LAYER_SUFFIXES):
             continue
         name = hf_name(gguf_name, config.architecture)
         if name is None or name not in want:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from metrale_jax.config import ModelConfig, RopeScaling
+from metrale_jax.config import ROPE_KINDS, ModelConfig, RopeScaling
 from metrale_jax.errors import CheckpointError, UnsupportedModelError
 from metrale_jax.families import Family, family_of_hf, llava
 from metrale_jax.families.registry import BY_HF_MODEL_TYPE
@@ -25,30 +27,77 @@ DECODER_MODEL_TYPES: tuple[str, ...] = tuple(sorted(
 """The `model_type`s `model_config_from_hf` reads: the decoder-only families'."""
 
 
-def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(params: Mapping[str, Any], cfg: Mapping[str, Any], family: Family,
+                 path: Path) -> tuple[float, RopeScaling | None]:
+    """`(rope_theta, scaling)` of one flat RoPE parameter dict (transformers 5's
+    `rope_parameters`, or 4.x's `rope_scaling` merged with the top-level `rope_theta`) of
+    config.json `cfg`, with transformers' defaults (`modeling_rope_utils`): factors left out
+    derived from `max_position_embeddings / original_max_position_embeddings`, the yarn and
+    longrope attention factors computed. None when nothing is scaled. Raises
+    `UnsupportedModelError` naming a `rope_type` Metrale-JAX does not implement."""
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    kind = params.get("rope_type", params.get("type")) or "default"
+    kind = family.hf_rope_aliases.get(kind, kind)
+    partial = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+                    or 1.0)
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    # transformers lets a top-level original_max_position_embeddings (Phi-3) win.
+    original = int(cfg.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings") or max_pos)
+    shared: dict[str, Any] = {"partial_rotary_factor": partial}
+    if kind == "default":
+        return theta, RopeScaling("default", **shared) if partial != 1.0 else None
+    if kind in ("linear", "dynamic"):
+        return theta, RopeScaling(kind, factor=float(params["factor"]), **shared)
+    if kind == "llama3":
+        return theta, RopeScaling(
+            "llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=original, **shared)
+    factor = float(params.get("factor") or max_pos / original)
+    attention = params.get("attention_factor")
+    if kind == "yarn":
+        if attention is None:
+            mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+            attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                         if mscale and mscale_all else yarn_mscale(factor))
+        return theta, RopeScaling(
+            "yarn", factor=factor, original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)), attention_factor=float(attention),
+            **shared)
+    if kind == "longrope":
+        return theta, RopeScaling(
+            "longrope", factor=factor, original_max_position_embeddings=original,
+            attention_factor=float(attention if attention is not None
+                                   else longrope_attention_factor(factor, original)),
+            short_factor=tuple(float(x) for x in params["short_factor"]),
+            long_factor=tuple(float(x) for x in params["long_factor"]),
+            long_context=max_pos > original, **shared)
+    raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported "
+                                f"(supported: {', '.join(ROPE_KINDS)})")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """LongRoPE's attention scale `sqrt(1 + ln(factor) / ln(original))` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _rope(cfg: dict[str, Any], family: Family, path: Path) -> tuple[float, RopeScaling | None]:
     params = dict(cfg.get("rope_parameters") or {})
     if isinstance(params.get("full_attention"), dict):
         # transformers 5's per-layer-type parameters (Gemma 3): the global layers' are the
         # model's; the family reads the sliding layers' base
         params = dict(params["full_attention"])
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in (None, "default"):
-        return theta, None
-    if kind == "linear":
-        return theta, RopeScaling("linear", factor=float(params["factor"]))
-    if kind == "llama3":
-        return theta, RopeScaling(
-            "llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported "
-                                "(supported: default, linear, llama3)")
+    params = {**(cfg.get("rope_scaling") or {}), **params}
+    return rope_from_hf(params, cfg, family, path)
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -78,7 +127,7 @@ def model_config_from_hf(cfg: dict[str, Any], path: Path) -> ModelConfig:
     try:
         E = int(cfg["hidden_size"])
         H = int(cfg["num_attention_heads"])
-        theta, scaling = _rope(cfg, path)
+        theta, scaling = _rope(cfg, family, path)
         K = int(cfg.get("num_key_value_heads") or H)
         D = int(cfg.get("head_dim") or E // H)
         layers = int(cfg["num_hidden_layers"])

@@ -36,7 +36,8 @@ TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 0.01, Q.Q5_0: 0.07,
              Q.Q5_1: 0.035, Q.Q4_0: 0.13, Q.Q4_1: 0.07}
 ARCH_ENUM = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
              "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma": gguf.MODEL_ARCH.GEMMA,
-             "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+             "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
+             "phi3": gguf.MODEL_ARCH.PHI3}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,6 +71,7 @@ SPECS = {
     "gemma": Spec("gemma", H=2, K=1, D=256),  # Gemma 2B-like: MQA, H*D != E
     "gemma2": Spec("gemma2", L=3, H=4, K=2, D=128),
     "gemma3": Spec("gemma3", L=6, H=4, K=1, D=256),  # 270M-like: MQA, D 256, 5 local : 1
+    "phi3": Spec("phi3", tied=False),  # fused attn_qkv and ffn_up (gate, then up)
 }
 
 
@@ -90,6 +92,12 @@ def hf_shapes(s: Spec) -> dict[str, tuple[int, ...]]:
                    p + "mlp.gate_proj.weight": (s.F, s.E),
                    p + "mlp.up_proj.weight": (s.F, s.E),
                    p + "mlp.down_proj.weight": (s.E, s.F)}
+        if s.arch == "phi3":  # HF's fused tensors, as llama.cpp keeps them
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                         "mlp.gate_proj", "mlp.up_proj"):
+                del shapes[p + name + ".weight"]
+            shapes |= {p + "self_attn.qkv_proj.weight": ((s.H + 2 * s.K) * s.D, s.E),
+                       p + "mlp.gate_up_proj.weight": (2 * s.F, s.E)}
         if s.bias:
             shapes |= {p + "self_attn.q_proj.bias": (s.H * s.D,),
                        p + "self_attn.k_proj.bias": (s.K * s.D,),
@@ -433,6 +441,22 @@ def test_linear_rope_scaling(tmp_path):
     path, *_ = make(tmp_path, types=Q.F16, meta={"llama.rope.scaling.type": "linear",
                                                  "llama.rope.scaling.factor": 2.0})
     assert read_gguf(path)[0].rope_scaling == RopeScaling("linear", factor=2.0)
+
+
+def test_yarn_rope_scaling_and_unknown_types(tmp_path):
+    """YaRN from metadata, its attention factor as llama.cpp computes it (attn_factor times
+    0.1 ln(factor) + 1); a type we do not implement is refused by name."""
+    path, *_ = make(tmp_path, types=Q.F16, meta={
+        "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 1024,
+        "llama.rope.scaling.yarn_beta_fast": 16.0})
+    assert read_gguf(path)[0].rope_scaling == RopeScaling(
+        "yarn", factor=4.0, original_max_position_embeddings=1024, beta_fast=16.0,
+        attention_factor=0.1 * math.log(4.0) + 1.0)
+    path, *_ = make(tmp_path, types=Q.F16, name="odd.gguf",
+                    meta={"llama.rope.scaling.type": "xpos"})
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling type 'xpos'"):
+        read_gguf(path)
 
 
 def test_vocab_size_from_token_list_and_progress(tmp_path):
