@@ -34,7 +34,7 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> list[list[i
     return np.stack(outs, axis=1).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "phi3", "qwen2"])
 def test_greedy_matches_transformers(arch, tmp_path):
     hf = build_hf_model(arch, tmp_path)
     hf.generation_config.eos_token_id = None

@@ -256,7 +256,7 @@ def dequantized(params: nnx.State, qparams: nnx.State) -> dict:
     return walk(nnx.to_pure_dict(params), nnx.to_pure_dict(qparams), ())
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 def test_logits_within_the_quantization_bounds(arch, monkeypatch: pytest.MonkeyPatch):
     """llama (untied int8 head) and gemma2 (tied, soft caps, sliding windows)."""
     cfg, graphdef, params = random_model(arch)
