@@ -32,6 +32,10 @@ ARCH_CONFIGS: dict[str, tuple[type, type, dict]] = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
                dict(sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=20.0,
                     final_logit_softcapping=15.0, num_hidden_layers=4)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
 }
 
 

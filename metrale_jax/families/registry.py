@@ -7,7 +7,18 @@ one and one line here. The indexes by HF `model_type` and GGUF `general.architec
 
 from __future__ import annotations
 
-from metrale_jax.families import gemma, gemma2, llama, llava, m2m100, mistral, qwen2, qwen3
+from metrale_jax.families import (
+    gemma,
+    gemma2,
+    llama,
+    llava,
+    m2m100,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from metrale_jax.families.family import Family
 
 REGISTRY: dict[str, Family] = {family.name: family for family in (
@@ -17,6 +28,8 @@ REGISTRY: dict[str, Family] = {family.name: family for family in (
     qwen3.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
     m2m100.FAMILY,
     llava.FAMILY,
 )}
