@@ -36,6 +36,14 @@ F = 8 * 192):
     64      288          172                     39.4       18.8   19.3   42.7    3.9
     256    1762            -                    152         61     47     34     12.3
 
+On a mesh (experts sharded over "model", `engine/sharding.py`) the "ragged" form runs
+everywhere: XLA's SPMD partitioner splits the `ragged_dot` by expert groups, so each device
+multiplies the routed rows of its own experts (zeros for the others), the group sizes are
+all-gathered (`s32[X]`) and the products' rows all-reduced (`f32[A, F]` / `[A, E]`): an
+expert-parallel dispatch by all-gather of the routed tokens (every device routes every token:
+the activations are replicated over "model") and an all-reduce combine. The "tiles" loop
+would instead all-gather every expert's weights each step (checked on the compiled HLO).
+
 A token's k experts are distinct weights, so a routed step reads up to `min(A, X)` experts'
 weights where a dense model of the same active parameters reads k: at one decode row the
 grouped product costs ~1.4x the dense one; with many rows it reads most experts
@@ -88,12 +96,15 @@ def tile_rows(assignments: int, num_experts: int) -> int:
     return m
 
 
-def dispatch_form(assignments: int, num_experts: int, backend: str | None = None
-                  ) -> tuple[str, int]:
-    """`(form, m)` for a step of A assignments (static): "ragged" (m 0) on TPU and GPU,
-    "tiles" with `tile_rows` on CPU."""
+def dispatch_form(assignments: int, num_experts: int, backend: str | None = None,
+                  devices: int | None = None) -> tuple[str, int]:
+    """`(form, m)` for a step of A assignments (static): "tiles" with `tile_rows` on one CPU
+    device; "ragged" (m 0) on TPU and GPU and on any mesh (XLA's SPMD partitioner splits a
+    `ragged_dot` by expert groups; it would all-gather every expert's weights into the
+    tiles' loop)."""
     backend = backend or jax.default_backend()
-    if backend == "cpu":
+    devices = jax.device_count() if devices is None else devices
+    if backend == "cpu" and devices == 1:
         return "tiles", tile_rows(assignments, num_experts)
     return "ragged", 0
 

@@ -122,9 +122,10 @@ def test_forms_agree_and_the_cpu_picks_tiles():
     a = expert_mix(x, weights, experts, w, "silu", ("ragged", 0))
     b = expert_mix(x, weights, experts, w, "silu", ("tiles", 8))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    assert dispatch_form(8, 128, "cpu") == ("tiles", 1)
-    assert dispatch_form(2048, 128, "cpu") == ("tiles", 32)
-    assert dispatch_form(8, 128, "tpu") == ("ragged", 0)
+    assert dispatch_form(8, 128, "cpu", 1) == ("tiles", 1)
+    assert dispatch_form(2048, 128, "cpu", 1) == ("tiles", 32)
+    assert dispatch_form(8, 128, "cpu", 8) == ("ragged", 0)  # a mesh: experts partitioned
+    assert dispatch_form(8, 128, "tpu", 1) == ("ragged", 0)
     assert [tile_rows(a, 128) for a in (8, 128, 512)] == [1, 4, 8]
 
 
