@@ -99,6 +99,10 @@ class Engine:
             raise InvalidParameterError("LoRA adapters are for decoder-only models; this is "
                                         "an encoder-decoder (translation) model",
                                         param="max_loras")
+        if model_config.is_moe and cfg.max_loras:
+            raise InvalidParameterError("LoRA adapters are not supported on mixture-of-experts "
+                                        "models (no adapter reaches the experts)",
+                                        param="max_loras")
         if self.encoder_decoder and cfg.speculative_tokens:
             raise InvalidParameterError("speculative decoding is for decoder-only models",
                                         param="speculative_tokens")

@@ -41,3 +41,19 @@ def test_moe_engine_matches_transformers(arch, loop, tmp_path):
         assert got == hf_greedy(hf, prompt), f"{arch}, prompt of {len(prompt)} tokens"
     check_batch_invariance_and_seeds(engine)
     assert engine.compile_count == compiled
+
+
+def test_lora_on_a_moe_model_is_refused():
+    from flax import nnx
+
+    from metrale_jax.config import ModelConfig
+    from metrale_jax.errors import InvalidParameterError
+    from metrale_jax.models.transformer import Transformer
+
+    cfg = ModelConfig("mixtral", vocab_size=64, hidden_size=32, intermediate_size=32,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4,
+                      experts_per_token=2, moe_intermediate_size=32, norm_topk_prob=True)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(InvalidParameterError, match="mixture-of-experts") as err:
+        make_engine(cfg, graphdef, params, max_loras=2)
+    assert err.value.status == 400
