@@ -108,3 +108,21 @@ def test_moe_gguf_loads_to_the_hf_folders_logits(arch, tmp_path):
             assert err <= 1e-6, f"{arch}: {err:.2e}"
         else:  # Q8_0 experts: within a few Q8_0 steps
             assert err <= 2e-2, f"{arch} Q8_0 experts: {err:.2e}"
+
+
+def test_moe_checkpoint_orbax_round_trip(tmp_path):
+    """A Mixtral HF folder (tokenizer included) -> orbax -> the same config and params."""
+    import jax
+
+    from devtools.hf_models import build_tiny_checkpoint
+    from metrale_jax.weights.checkpoint import load_checkpoint
+    from metrale_jax.weights.orbax_store import load_orbax, save_orbax
+
+    ckpt = load_checkpoint(build_tiny_checkpoint(tmp_path / "hf", "mixtral"))
+    assert ckpt.config.is_moe
+    save_orbax(ckpt, tmp_path / "native")
+    back = load_orbax(tmp_path / "native")
+    assert back.config == ckpt.config
+    for x, y in zip(jax.tree.leaves(ckpt.params), jax.tree.leaves(back.params), strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
