@@ -157,6 +157,12 @@ class Engine:
         """Programs compiled so far."""
         return self.programs.compile_count
 
+    def router_counts(self) -> np.ndarray | None:
+        """A mixture-of-experts model's tokens routed per layer and expert since start,
+        `[L, X]` int64 (`engine/router_stats.py`); None for a dense model."""
+        stats = self.step_programs.router_stats
+        return None if stats is None else stats.totals()
+
     def program_grid(self) -> list[tuple[int, int, int]]:
         """The (n, chunk, k) step shapes warmup compiles (`programs.program_grid`)."""
         return program_grid(self.config)

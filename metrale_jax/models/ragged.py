@@ -118,7 +118,8 @@ def kernel_layout(page_table: jax.Array, dec_lens: jax.Array, chunk_rows: jax.Ar
 def ragged_layers(graph: LayerGraph, params: LayerParams | StackedLayerParams, pages,
                   tokens: jax.Array, positions: jax.Array, layout: StepLayout, *,
                   n: int, lora: tuple | None = None, lora_mix: jax.Array | None = None,
-                  images: tuple[jax.Array, jax.Array] | None = None):
+                  images: tuple[jax.Array, jax.Array] | None = None,
+                  router_counts: bool = False):
     """The model over one ragged step's tokens, up to the final hidden states.
 
     tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
@@ -129,19 +130,24 @@ def ragged_layers(graph: LayerGraph, params: LayerParams | StackedLayerParams, p
     float32, each token's weight per adapter slot (zeros: none); images: `(rows [T] int32,
     pool [P, E])`, each token's row of the image feature pool (-1: its token embedding).
     Returns the hidden states `[T, E]` (before the final norm: `head` turns chosen rows into
-    logits) and the pools, in their form, with this step's keys and values written.
+    logits) and the pools, in their form, with this step's keys and values written; with
+    `router_counts` (mixture-of-experts models only) also each layer's real tokens per
+    expert `[L, X] int32` (`models/moe.py`).
     """
     x = embed(graph, params, tokens, images)
     if isinstance(params, StackedLayerParams):
         return _scanned_layers(graph, params, pages, x, positions, layout, n=n, lora=lora,
-                               lora_mix=lora_mix)
-    new_pages = []
+                               lora_mix=lora_mix, router_counts=router_counts)
+    new_pages, counts = [], []
     layer_lora = lora if lora is not None else (None,) * len(pages)
     for state, sliding, pool, lw in zip(params.layers, graph.cfg.layer_is_sliding, pages,
                                         layer_lora, strict=True):
-        x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, layout, lw,
-                                lora_mix, sliding=bool(sliding), n=n)
+        x, pool, *routed = _ragged_layer(graph.block_def, state, x, positions, pool, layout, lw,
+                                         lora_mix, sliding=bool(sliding), n=n)
         new_pages.append(pool)
+        counts.extend(routed)  # a mixture-of-experts layer's [X] (decoder_layer)
+    if router_counts:
+        return x, tuple(new_pages), jnp.stack(counts)
     return x, tuple(new_pages)
 
 
@@ -161,8 +167,8 @@ def layer_layout(layout: StepLayout, layer: jax.Array, num_pages: int,
 
 def _scanned_layers(graph: LayerGraph, params: StackedLayerParams, pages: jax.Array,
                     x: jax.Array, positions: jax.Array, layout: StepLayout, *, n: int,
-                    lora: tuple | None, lora_mix: jax.Array | None
-                    ) -> tuple[jax.Array, jax.Array]:
+                    lora: tuple | None, lora_mix: jax.Array | None, router_counts: bool = False
+                    ) -> tuple[jax.Array, ...]:
     """`ragged_layers`' scanned form: x [T, E] through a loop over groups of
     `layer_group(cfg)` layers (each group's layers unrolled in the body); pages
     `[L, N, ps, 2K, D]` carried as `[L*N, ps, 2K, D]`, each layer addressed by
@@ -180,18 +186,23 @@ def _scanned_layers(graph: LayerGraph, params: StackedLayerParams, pages: jax.Ar
                             tree)
 
     def body(i, carry):
-        h, pool = carry
+        h, pool, counts = carry
         for j in range(G):
             layer = i * G + j
             w = None if stacked_lora is None else at(stacked_lora, layer)
             block = nnx.merge(graph.block_def, at(params.blocks, layer))
-            h, pool = decoder_layer(block, h, positions, pool, layer_layout(layout, layer, N, ps),
-                                    w, lora_mix, sliding=sliding[j], n=n)
-        return h, pool
+            h, pool, *routed = decoder_layer(block, h, positions, pool,
+                                             layer_layout(layout, layer, N, ps), w, lora_mix,
+                                             sliding=sliding[j], n=n)
+            if router_counts:
+                counts = counts.at[layer].set(routed[0])
+        return h, pool, counts
 
     flat = pages.reshape(L * N, *pages.shape[2:])
-    x, flat = jax.lax.fori_loop(0, L // G, body, (x, flat))
-    return x, flat.reshape(pages.shape)
+    counts = jnp.zeros((L, cfg.num_experts), jnp.int32) if router_counts else None
+    x, flat, counts = jax.lax.fori_loop(0, L // G, body, (x, flat, counts))
+    return (x, flat.reshape(pages.shape), counts) if router_counts else (
+        x, flat.reshape(pages.shape))
 
 
 def embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
@@ -296,8 +307,9 @@ def decoder_layer(block, x: jax.Array, positions: jax.Array, pool: jax.Array,
                   layout: StepLayout, lora_w, lora_mix, *, sliding: bool, n: int
                   ) -> tuple[jax.Array, jax.Array]:
     """One decoder layer (`block`: a merged `transformer.Block`) over a ragged step:
-    x [T, E] -> ([T, E], the pool [N, ps, 2K, D] written); lora_w: this layer's adapter
-    weights (None: none), lora_mix: [T, N] each token's slot weights."""
+    x [T, E] -> ([T, E], the pool [N, ps, 2K, D] written, and for a mixture-of-experts layer
+    its real tokens per expert [X] int32); lora_w: this layer's adapter weights (None: none),
+    lora_mix: [T, N] each token's slot weights."""
     attn = block.attn
     cfg = attn.cfg
     delta = lora_delta(lora_w, lora_mix) if lora_w is not None else None
@@ -311,7 +323,11 @@ def decoder_layer(block, x: jax.Array, positions: jax.Array, pool: jax.Array,
     y = attn.project_out(flat)  # [T, H*D] @ [H*D, E] (int8 weights: scaled per channel)
     if delta is not None:
         y = y + delta("o_proj", flat)
-    return block.finish(x, y, delta), pool
+    if not block.is_moe:
+        return block.finish(x, y, delta), pool
+    real = jnp.concatenate([layout.dec_lens > 0, layout.chunk_rows >= 0])
+    x, counts = block.finish_routed(x, y, delta, real)
+    return x, pool, counts
 
 
 __all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "attend", "decoder_layer", "embed", "head",

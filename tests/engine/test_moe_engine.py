@@ -57,3 +57,30 @@ def test_lora_on_a_moe_model_is_refused():
     with pytest.raises(InvalidParameterError, match="mixture-of-experts") as err:
         make_engine(cfg, graphdef, params, max_loras=2)
     assert err.value.status == 400
+
+
+def test_router_counts_add_up_to_the_routed_tokens(tmp_path):
+    """Every real token (prompt and decoded) counted once per layer for each of its k
+    experts; padding and idle rows not at all; a dense engine has none."""
+    from flax import nnx
+
+    from metrale_jax.config import ModelConfig
+    from metrale_jax.engine import SlotSettings
+    from metrale_jax.models.transformer import Transformer
+
+    cfg = ModelConfig("qwen3_moe", vocab_size=128, hidden_size=32, intermediate_size=32,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True,
+                      num_experts=4, experts_per_token=2, moe_intermediate_size=32)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    engine = make_engine(cfg, graphdef, params, max_slots=4, decode_steps=2)
+    assert engine.router_counts().shape == (2, 4) and not engine.router_counts().any()
+    state = engine.init_decode_state()
+    state, _ = engine.add(state, [(0, list(range(20)), SlotSettings()),
+                                  (2, list(range(5)), SlotSettings())])
+    prompt_tokens = 25
+    assert (engine.router_counts().sum(axis=1) == 2 * prompt_tokens).all()
+    active = np.array([True, False, True, False])
+    for _ in range(3):
+        state, _ = engine.step(state, active)  # decode_steps=2 tokens for 2 rows each
+    counts = engine.router_counts()
+    assert (counts.sum(axis=1) == 2 * (prompt_tokens + 3 * 2 * 2)).all()
