@@ -84,3 +84,23 @@ def test_router_counts_add_up_to_the_routed_tokens(tmp_path):
         state, _ = engine.step(state, active)  # decode_steps=2 tokens for 2 rows each
     counts = engine.router_counts()
     assert (counts.sum(axis=1) == 2 * (prompt_tokens + 3 * 2 * 2)).all()
+
+
+def test_int8_experts_through_the_engine(tmp_path):
+    """An int8 MoE engine's greedy tokens are the argmax of the int8 model's own logits
+    (teacher-forced through `sequence_logits`), the compile count flat."""
+    from devtools.logits import stacked_logits
+    from metrale_jax.models.quantized_model import quantize_state
+
+    build_hf_model("mixtral", tmp_path)
+    cfg = read_hf_config(tmp_path)
+    graphdef, params = assemble_params(cfg, read_safetensors(tmp_path), tmp_path)
+    engine = make_engine(cfg, graphdef, params, quantization="int8", max_slots=2)
+    engine.warmup()
+    compiled = engine.compile_count
+    prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 20).tolist()
+    got = run_engine(engine, [prompt], 8)[0]
+    _, qgraph, qparams = quantize_state(cfg, params, "int8")
+    logits = stacked_logits(qgraph, qparams, np.asarray([prompt + got[:-1]]))[0]
+    assert logits[len(prompt) - 1:].argmax(-1).tolist() == got
+    assert engine.compile_count == compiled
