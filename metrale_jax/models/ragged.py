@@ -305,7 +305,7 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora
 
 def decoder_layer(block, x: jax.Array, positions: jax.Array, pool: jax.Array,
                   layout: StepLayout, lora_w, lora_mix, *, sliding: bool, n: int
-                  ) -> tuple[jax.Array, jax.Array]:
+                  ) -> tuple[jax.Array, ...]:
     """One decoder layer (`block`: a merged `transformer.Block`) over a ragged step:
     x [T, E] -> ([T, E], the pool [N, ps, 2K, D] written, and for a mixture-of-experts layer
     its real tokens per expert [X] int32); lora_w: this layer's adapter weights (None: none),
