@@ -56,6 +56,10 @@ ARCH_CONFIGS: dict[str, tuple[type, type, dict]] = {
                       "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False})),
     "qwen2_yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
 }
 
 ROPE_VARIANTS: dict[str, tuple[type, type, dict]] = {

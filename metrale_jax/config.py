@@ -123,6 +123,13 @@ class ModelConfig:
         vision: for a vision-language model (LLaVA), its vision encoder's
             `VisionConfig`; the other fields describe the text model. None for text only.
 
+    Mixture of experts (Qwen3-MoE, Mixtral; `models/moe.py`), X = num_experts:
+        num_experts: X experts per layer, every layer's MLP routed (0: a dense model).
+        experts_per_token: k, the experts each token is routed to (top-k of the router).
+        moe_intermediate_size: F of each expert (Mixtral: `intermediate_size`).
+        norm_topk_prob: the k routing weights renormalized to sum to 1 (Mixtral always;
+            Qwen3-MoE as its config says); else the softmax over all X experts, kept.
+
     Storage:
         quantization: None (float weights), "int8" (the linear layers' weights int8 with
             per-output-channel scales), "int8-all" (the embedding and LM head too; see
@@ -161,6 +168,10 @@ class ModelConfig:
     encoder_decoder: M2M100Config | None = None
     vision: VisionConfig | None = None
     quantization: str | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -189,10 +200,32 @@ class ModelConfig:
             raise InvalidParameterError("weight quantization is for decoder-only models; this "
                                         "is an encoder-decoder (translation) model",
                                         param="quantization")
+        if self.num_experts:
+            self._check_experts()
         if self.quantization == "int4":
             for k in (self.hidden_size, self.intermediate_size,
                       self.num_heads * self.head_dim):
                 check_int4_inputs(k)
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields agree (`CheckpointError`), and the weight format
+        has expert products (`InvalidParameterError` for int4)."""
+        if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:
+            raise CheckpointError(
+                f"model config: experts_per_token={self.experts_per_token} must be between 1 "
+                f"and num_experts={self.num_experts}")
+        if self.moe_intermediate_size <= 0:
+            raise CheckpointError("model config: moe_intermediate_size must be positive")
+        if self.quantization == "int4":
+            raise InvalidParameterError(
+                "int4 quantization is not supported for mixture-of-experts models (their "
+                "expert weights have no int4 grouped product); use int8 or int8-all",
+                param="quantization")
+
+    @property
+    def is_moe(self) -> bool:
+        """True for a mixture-of-experts model: every layer's MLP is `num_experts` experts."""
+        return self.num_experts > 0
 
     @classmethod
     def for_m2m100(cls, m2m: M2M100Config) -> ModelConfig:

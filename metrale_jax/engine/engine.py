@@ -102,6 +102,10 @@ class Engine:
             raise InvalidParameterError("LoRA adapters are for decoder-only models; this is "
                                         "an encoder-decoder (translation) model",
                                         param="max_loras")
+        if model_config.is_moe and cfg.max_loras:
+            raise InvalidParameterError("LoRA adapters are not supported on mixture-of-experts "
+                                        "models (no adapter reaches the experts)",
+                                        param="max_loras")
         if self.encoder_decoder and cfg.speculative_tokens:
             raise InvalidParameterError("speculative decoding is for decoder-only models",
                                         param="speculative_tokens")
@@ -160,6 +164,12 @@ class Engine:
     def compile_count(self) -> int:
         """Programs compiled so far."""
         return self.programs.compile_count
+
+    def router_counts(self) -> np.ndarray | None:
+        """A mixture-of-experts model's tokens routed per layer and expert since start,
+        `[L, X]` int64 (`engine/router_stats.py`); None for a dense model."""
+        stats = self.step_programs.router_stats
+        return None if stats is None else stats.totals()
 
     def program_grid(self) -> list[tuple[int, int, int]]:
         """The (n, chunk, k) step shapes warmup compiles (`programs.program_grid`)."""

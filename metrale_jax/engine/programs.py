@@ -49,6 +49,7 @@ from metrale_jax.engine.bitmask import words_for
 from metrale_jax.engine.config import EngineConfig
 from metrale_jax.engine.executable_store import ExecutableStore, compile_fresh
 from metrale_jax.engine.placement import StepShardings
+from metrale_jax.engine.router_stats import RouterStats
 from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.host_memory import release_free_memory
 
@@ -225,6 +226,8 @@ class StepPrograms:
         self.shardings, self.params_spec, self.lora_specs = shardings, params_spec, lora_specs
         self.vocab_size = model_config.vocab_size
         self.has_images = model_config.vision is not None
+        self.router_stats = (RouterStats(model_config.num_layers, model_config.num_experts)
+                             if model_config.is_moe else None)
         self.sample_config = steps.SampleConfig(config.num_top_logprobs, config.logprobs_mode)
         pool_rows = config.max_images * (model_config.vision.tokens_per_image
                                          if self.has_images else 0)
@@ -298,6 +301,9 @@ class StepPrograms:
         params) and, for a step with a chunk, its sampling program: (state, StepOutput
         `[k, B + R]`)."""
         state, out = self.step(n, chunk, k)(*args)
+        if self.router_stats is not None:  # a mixture of experts: (out, counts [L, X])
+            out, counts = out
+            self.router_stats.add(counts)
         if not chunk:  # a decode step draws inside (steps.decode_steps)
             return state, out
         return self.sample(n, self.finish_rows(chunk))(state, out)

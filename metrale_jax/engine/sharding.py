@@ -9,6 +9,12 @@ arrays in `engine/state.py` (`SLOT_AXES`). `RULES` maps each name to a mesh axis
 - tensor parallelism on "model": attention heads and kv heads, the MLP's hidden axis and the
   vocabulary (embedding rows and LM-head columns); each device holds 1/model of those params
   and XLA inserts the all-reduces / all-gathers;
+- expert parallelism on "model" too: a mixture of experts' weights `[X, E, F]` are split by
+  expert (each device holds X/model whole experts; where X does not divide, the experts'
+  width F is split instead: tensor parallelism inside each expert). The routed dispatch
+  stays the single-device program, partitioned by XLA's SPMD partitioner: every device
+  routes every token (the activations are replicated over "model") and the expert loop's
+  per-expert weight reads become collectives (`docs/moe.md` says which);
 - decode slots on "data": the per-slot arrays (positions, token histories, sampling state)
   are sharded over slots; the KV page pools over kv heads only (every row shares the pages).
 
@@ -65,6 +71,7 @@ RULES: dict[str, str | None] = {
     "kv_heads": "model",
     "kv_pairs": "model",
     "mlp": "model",
+    "experts": "model",
 }
 
 MeshLike = Mesh | AbstractMesh | Mapping[str, int]

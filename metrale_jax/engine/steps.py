@@ -275,7 +275,8 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
     the program that draws the n + R tokens (the rows' next inputs are written there: one
     sampling program for every chunk size); without one, each step draws with the sampler
     fused (`decode_steps`: the decode loop, where a second program per token cost 5% of
-    float32 decode) and the call returns StepOutput `[k, B]`.
+    float32 decode) and the call returns StepOutput `[k, B]`. A mixture-of-experts model's
+    call returns `(those, counts [L, X] int32)`: its real tokens per layer and expert.
     """
     B, pps = state.tokens.shape[0], page_table.shape[1]
     page_size = pool_page_size(state.pages)
@@ -326,7 +327,8 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
             images = (jnp.concatenate([jnp.full((n,), -1, jnp.int32), chunk.image_rows]),
                       state.images)
         return ragged_layers(graph, params, pages, tokens, positions, layout, n=n, lora=lora,
-                             lora_mix=token_mix, images=images)
+                             lora_mix=token_mix, images=images,
+                             router_counts=graph.cfg.is_moe)  # + [L, X] (MoE only)
 
     h = state.history
     positions, tokens, steps_ = state.positions[:n], state.tokens[:n], state.steps[:n]
@@ -334,7 +336,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         return decode_steps(graph, sc, params, state, live, allowed[:n], forward, cap,
                             shape.decode_steps)
     dec_history = head_rows(h).append(tokens, positions, live)
-    x, pages = forward(state.pages, tokens, positions)
+    x, pages, *routed = forward(state.pages, tokens, positions)
     history = TokenHistory(h.tokens.at[:n].set(dec_history.tokens),
                            h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
     new_positions = state.positions.at[:n].set(
@@ -363,13 +365,14 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         state.sampling.set_rows(finish_rows, chunk.sampling), history, state.cross,
         state.images)
     hidden = jnp.concatenate([x[:n], x[n + chunk.finish_index]])
-    return new, SampleInputs(
+    inputs = SampleInputs(
         head(graph, params, hidden),
         jnp.concatenate([dec_rows, jnp.clip(finish_rows, 0, B - 1)]),
         jnp.concatenate([live, (finish_rows >= 0) & (finish_rows < B)]),
         jnp.concatenate([positions + 1, last_pos + 1]),
         jnp.concatenate([steps_, chunk.finish_steps]),
         jnp.concatenate([allowed[:n], chunk.allowed]))
+    return new, ((inputs, routed[0]) if routed else inputs)
 
 
 def decode_steps(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state: DecodeState,
@@ -378,7 +381,9 @@ def decode_steps(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state
     """k >= 1 decode steps of rows 0 .. n-1 in one call (`ragged_step` without a chunk), the
     sampler fused into each: live [n] bool, the rows that decode; allowed [n, W] uint32;
     forward: the model over (pages, tokens [n], positions [n]) -> (hidden [n, E], pages);
-    cap: the positions a row may hold. Returns the state and StepOutput `[k, B]`."""
+    cap: the positions a row may hold. Returns the state and StepOutput `[k, B]` (a
+    mixture-of-experts model: with its tokens per layer and expert `[L, X]`, summed over
+    the k steps)."""
     B, n = state.tokens.shape[0], live.shape[0]
     h = state.history
     sampling = jax.tree.map(lambda a: a[:n], state.sampling)
@@ -386,29 +391,31 @@ def decode_steps(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state
     def one(carry, _):
         pages, positions, tokens, steps_, history = carry
         history = history.append(tokens, positions, live)
-        x, pages = forward(pages, tokens, positions)
+        x, pages, *routed = forward(pages, tokens, positions)
         res = sample(head(graph, params, x), sampling, history, positions + 1, steps_,
                      sc.num_top, sc.logprobs_mode, allowed)
         return (pages, jnp.where(live, jnp.minimum(positions + 1, cap), positions),
                 jnp.where(live, res.tokens, tokens), jnp.where(live, steps_ + 1, steps_),
-                history), res
+                history), (res, routed)
 
     carry = (state.pages, state.positions[:n], state.tokens[:n], state.steps[:n],
              jax.tree.map(lambda a: a[:n], h))
     if k == 1:
-        carry, res = one(carry, None)
+        carry, (res, routed) = one(carry, None)
         out = StepOutput(res.tokens[None], res.logprobs[None], res.top_ids[None],
                          res.top_logprobs[None])
     else:
-        carry, res = jax.lax.scan(one, carry, None, length=k)
+        carry, (res, routed) = jax.lax.scan(one, carry, None, length=k)
         out = StepOutput(res.tokens, res.logprobs, res.top_ids, res.top_logprobs)
+        routed = [r.sum(axis=0) for r in routed]
     pages, positions, tokens, steps_, dec_history = carry
     history = TokenHistory(h.tokens.at[:n].set(dec_history.tokens),
                            h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
     new = DecodeState(pages, state.positions.at[:n].set(positions),
                       state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
                       state.sampling, history, state.cross, state.images)
-    return new, pad_columns(out, B)
+    out = pad_columns(out, B)
+    return new, ((out, routed[0]) if routed else out)
 
 
 def pad_columns(out: StepOutput, columns: int) -> StepOutput:

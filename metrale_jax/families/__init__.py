@@ -7,7 +7,8 @@ cache kinds; `m2m100.py` and `llava.py` also hold the configs of their extra par
 (`M2M100Config`, `VisionConfig`). `registry.py` is the one table of them.
 
   llama, mistral, qwen2, qwen3, gemma, gemma2,  decoder-only (one layer graph, switches)
-  phi3
+  gemma3, phi3
+  qwen3_moe, mixtral                            decoder-only, routed experts (models/moe.py)
   m2m100                                        encoder-decoder translation (M2M100, NLLB)
   llava                                         a vision tower before a decoder family
 

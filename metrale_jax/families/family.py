@@ -107,6 +107,27 @@ def hf_layer_windows(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     return layer_windows(cfg.get("sliding_window"), cfg.get("layer_types"))
 
 
+# The GGUF expert tensors (stacked `[X, out, in]`) -> the canonical per-layer names.
+GGUF_EXPERT_TENSORS: dict[str, str] = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+}
+
+
+def gguf_expert_fields(meta: GgufMetadata, fields: Mapping[str, Any],
+                       norm_default: bool) -> dict[str, Any]:
+    """The MoE fields of a GGUF file (llama.cpp's keys); `expert_feed_forward_length`
+    falls back to `feed_forward_length` (llama.cpp's Mixtral files)."""
+    return {"num_experts": meta.integer("expert_count"),
+            "experts_per_token": meta.integer("expert_used_count"),
+            "moe_intermediate_size": meta.integer("expert_feed_forward_length",
+                                                  fields["intermediate_size"]),
+            "norm_topk_prob": bool(meta.get(meta.key("expert_weights_norm"), norm_default))}
+
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Family:
     """Everything Metrale-JAX knows about one model family, declared in its own module (one
@@ -161,5 +182,6 @@ class Family:
     fused_projections: bool = False
 
 
-__all__ = ["CacheKind", "Family", "GgufMetadata", "GgufSwitches", "HfSwitches",
-           "ModelKind", "hf_layer_windows", "layer_windows", "no_switches"]
+__all__ = ["GGUF_EXPERT_TENSORS", "CacheKind", "Family", "GgufMetadata", "GgufSwitches",
+           "HfSwitches", "ModelKind", "gguf_expert_fields", "hf_layer_windows",
+           "layer_windows", "no_switches"]

@@ -11,14 +11,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from metrale_jax.families.family import Family, GgufMetadata, hf_layer_windows
+from metrale_jax.families.family import (
+    Family,
+    GgufMetadata,
+    gguf_expert_fields,
+    hf_layer_windows,
+)
 
 
 def gguf_switches(meta: GgufMetadata, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """A window on every layer when the file sets `llama.attention.sliding_window`."""
+    """A window on every layer when the file sets `llama.attention.sliding_window`; a file
+    with `llama.expert_count` > 0 is a Mixtral (llama.cpp's converter writes it as llama)."""
+    out: dict[str, Any] = {}
     if meta.has("attention.sliding_window"):
-        return {"sliding_window": meta.integer("attention.sliding_window") or None}
-    return {}
+        out["sliding_window"] = meta.integer("attention.sliding_window") or None
+    if meta.integer("expert_count", 0) > 0:
+        out.update(architecture="mixtral",
+                   **gguf_expert_fields(meta, fields, norm_default=True))
+    return out
 
 
 FAMILY = Family(

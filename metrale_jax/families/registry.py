@@ -15,9 +15,11 @@ from metrale_jax.families import (
     llava,
     m2m100,
     mistral,
+    mixtral,
     phi3,
     qwen2,
     qwen3,
+    qwen3_moe,
 )
 from metrale_jax.families.family import Family
 
@@ -30,6 +32,8 @@ REGISTRY: dict[str, Family] = {family.name: family for family in (
     gemma2.FAMILY,
     gemma3.FAMILY,
     phi3.FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
     m2m100.FAMILY,
     llava.FAMILY,
 )}

@@ -2,7 +2,8 @@
 logical axes) and the pure ragged steps the engine compiles over them: `ragged.py` (decoder-only,
 params split per layer by `unrolled.py`, or stacked for one loop over the layers by
 `scanned.py`) and `seq2seq_ragged.py` (encoder-decoder), both over paged caches
-(`paged_attention.py`); quantized linears (`quant*.py`) and LoRA (`lora.py`).
+(`paged_attention.py`); the mixture-of-experts MLP (`moe.py`); quantized linears (`quant*.py`)
+and LoRA (`lora.py`).
 May import families, config, errors and kernels (the CPU products of the quantized linears) only.
 """
 

@@ -187,12 +187,14 @@ def qeinsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None) -> j
 
 def stacked_in_axes(path: tuple[str, ...]) -> tuple[int, ...]:
     """The input axes of the `Transformer` param at `path` (its pure-dict keys, layers stacked
-    `[L, ...]`): blocks' linear weights after the L axis, embed [V, E] its E, lm_head [E, V]
-    its E."""
+    `[L, ...]`): blocks' linear weights after the L axis (a mixture of experts' `[L, X, in,
+    out]`: axis 2), embed [V, E] its E, lm_head [E, V] its E."""
     if path == ("embed",):
         return (1,)
     if path == ("lm_head",):
         return (0,)
+    if path[-2] == "moe":  # expert weights [L, X, in, out] (models/moe.py)
+        return (2,)
     n_in = (ATTENTION_LINEAR if path[-2] == "attn" else MLP_LINEAR)[path[-1]]
     return tuple(range(1, 1 + n_in))
 

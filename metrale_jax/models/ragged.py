@@ -122,7 +122,8 @@ def kernel_layout(page_table: jax.Array, dec_lens: jax.Array, chunk_rows: jax.Ar
 def ragged_layers(graph: LayerGraph, params: LayerParams | StackedLayerParams, pages,
                   tokens: jax.Array, positions: jax.Array, layout: StepLayout, *,
                   n: int, lora: tuple | None = None, lora_mix: jax.Array | None = None,
-                  images: tuple[jax.Array, jax.Array] | None = None):
+                  images: tuple[jax.Array, jax.Array] | None = None,
+                  router_counts: bool = False):
     """The model over one ragged step's tokens, up to the final hidden states.
 
     tokens, positions: [T] int32 (decode tier first, then the chunk: see the module
@@ -133,23 +134,29 @@ def ragged_layers(graph: LayerGraph, params: LayerParams | StackedLayerParams, p
     float32, each token's weight per adapter slot (zeros: none); images: `(rows [T] int32,
     pool [P, E])`, each token's row of the image feature pool (-1: its token embedding).
     Returns the hidden states `[T, E]` (before the final norm: `head` turns chosen rows into
-    logits) and the pools, in their form, with this step's keys and values written.
+    logits) and the pools, in their form, with this step's keys and values written; with
+    `router_counts` (mixture-of-experts models only) also each layer's real tokens per
+    expert `[L, X] int32` (`models/moe.py`).
     """
     x = embed(graph, params, tokens, images)
     if isinstance(params, StackedLayerParams):
         return _scanned_layers(graph, params, pages, x, positions, layout, n=n, lora=lora,
-                               lora_mix=lora_mix)
+                               lora_mix=lora_mix, router_counts=router_counts)
     kinds = tuple(bool(s) for s in graph.cfg.layer_is_sliding)
     windowed = isinstance(pages, WindowedPools)
     pools = layer_pools(pages, kinds) if windowed else pages
-    new_pages = []
+    new_pages, counts = [], []
     layer_lora = lora if lora is not None else (None,) * len(pools)
     for state, sliding, pool, lw in zip(params.layers, kinds, pools, layer_lora, strict=True):
         lay = layout.window if (windowed and sliding) else layout
-        x, pool = _ragged_layer(graph.block_def, state, x, positions, pool, lay, lw,
-                                lora_mix, sliding=sliding, n=n)
+        x, pool, *routed = _ragged_layer(graph.block_def, state, x, positions, pool, lay, lw,
+                                         lora_mix, sliding=sliding, n=n)
         new_pages.append(pool)
-    return x, (group_pools(new_pages, kinds) if windowed else tuple(new_pages))
+        counts.extend(routed)  # a mixture-of-experts layer's [X] (decoder_layer)
+    pages_out = group_pools(new_pages, kinds) if windowed else tuple(new_pages)
+    if router_counts:
+        return x, pages_out, jnp.stack(counts)
+    return x, pages_out
 
 
 def layer_layout(layout: StepLayout, layer: jax.Array, num_pages: int,
@@ -169,8 +176,8 @@ def layer_layout(layout: StepLayout, layer: jax.Array, num_pages: int,
 def _scanned_layers(graph: LayerGraph, params: StackedLayerParams,
                     pages: jax.Array | WindowedPools,
                     x: jax.Array, positions: jax.Array, layout: StepLayout, *, n: int,
-                    lora: tuple | None, lora_mix: jax.Array | None
-                    ) -> tuple[jax.Array, jax.Array]:
+                    lora: tuple | None, lora_mix: jax.Array | None, router_counts: bool = False
+                    ) -> tuple[jax.Array, ...]:
     """`ragged_layers`' scanned form: x [T, E] through a loop over groups of
     `layer_group(cfg)` layers (each group's layers unrolled in the body); pages
     `[L, N, ps, 2K, D]` carried as `[L*N, ps, 2K, D]`, each layer addressed by
@@ -195,7 +202,7 @@ def _scanned_layers(graph: LayerGraph, params: StackedLayerParams,
                             tree)
 
     def body(i, carry):
-        h, flats = carry
+        h, flats, counts = carry
         flats = list(flats)
         seen = [0, 0]
         for j in range(G):
@@ -206,16 +213,20 @@ def _scanned_layers(graph: LayerGraph, params: StackedLayerParams,
             stack, lay = stacks[kind]
             w = None if stacked_lora is None else at(stacked_lora, layer)
             block = nnx.merge(graph.block_def, at(params.blocks, layer))
-            h, flats[kind] = decoder_layer(
+            h, flats[kind], *routed = decoder_layer(
                 block, h, positions, flats[kind],
                 layer_layout(lay, index, stack.shape[1], stack.shape[2]), w, lora_mix,
                 sliding=sliding[j], n=n)
-        return h, tuple(flats)
+            if router_counts:
+                counts = counts.at[layer].set(routed[0])
+        return h, tuple(flats), counts
 
     flats = tuple(s.reshape(s.shape[0] * s.shape[1], *s.shape[2:]) for s, _ in stacks)
-    x, flats = jax.lax.fori_loop(0, cfg.num_layers // G, body, (x, flats))
+    counts = jnp.zeros((cfg.num_layers, cfg.num_experts), jnp.int32) if router_counts else None
+    x, flats, counts = jax.lax.fori_loop(0, cfg.num_layers // G, body, (x, flats, counts))
     out = tuple(f.reshape(s.shape) for f, (s, _) in zip(flats, stacks, strict=True))
-    return x, (WindowedPools(*out) if windowed else out[0])
+    pages_out = WindowedPools(*out) if windowed else out[0]
+    return (x, pages_out, counts) if router_counts else (x, pages_out)
 
 
 def embed(graph: LayerGraph, params: LayerParams, tokens: jax.Array,
@@ -318,10 +329,11 @@ def _ragged_layer(block_def, state, x, positions, pool, layout: StepLayout, lora
 
 def decoder_layer(block, x: jax.Array, positions: jax.Array, pool: jax.Array,
                   layout: StepLayout, lora_w, lora_mix, *, sliding: bool, n: int
-                  ) -> tuple[jax.Array, jax.Array]:
+                  ) -> tuple[jax.Array, ...]:
     """One decoder layer (`block`: a merged `transformer.Block`) over a ragged step:
-    x [T, E] -> ([T, E], the pool [N, ps, 2K, D] written); lora_w: this layer's adapter
-    weights (None: none), lora_mix: [T, N] each token's slot weights."""
+    x [T, E] -> ([T, E], the pool [N, ps, 2K, D] written, and for a mixture-of-experts layer
+    its real tokens per expert [X] int32); lora_w: this layer's adapter weights (None: none),
+    lora_mix: [T, N] each token's slot weights."""
     attn = block.attn
     cfg = attn.cfg
     delta = lora_delta(lora_w, lora_mix) if lora_w is not None else None
@@ -335,7 +347,11 @@ def decoder_layer(block, x: jax.Array, positions: jax.Array, pool: jax.Array,
     y = attn.project_out(flat)  # [T, H*D] @ [H*D, E] (int8 weights: scaled per channel)
     if delta is not None:
         y = y + delta("o_proj", flat)
-    return block.finish(x, y, delta), pool
+    if not block.is_moe:
+        return block.finish(x, y, delta), pool
+    real = jnp.concatenate([layout.dec_lens > 0, layout.chunk_rows >= 0])
+    x, counts = block.finish_routed(x, y, delta, real)
+    return x, pool, counts
 
 
 __all__ = ["PAGE_AXES", "KernelLayout", "StepLayout", "attend", "decoder_layer", "embed", "head",

@@ -30,13 +30,15 @@ from metrale_jax.models.layers import (
     stacked_modules,
 )
 from metrale_jax.models.m2m100 import abstract_m2m100
+from metrale_jax.models.moe import MOE_AXES, MoE
 from metrale_jax.models.quant import quantize, quantizes_embeddings
 
 
 class Block(nnx.Module):
     """One decoder layer's params: pre-norm attention and pre-norm MLP with residuals.
 
-    Gemma 2 adds a norm after attention and after the MLP (`post_norms`). The attention itself
+    Gemma 2 adds a norm after attention and after the MLP (`post_norms`). A mixture-of-experts
+    model (`cfg.is_moe`) has `moe` (`models/moe.py`) in place of `mlp`. The attention itself
     runs in `models/ragged.py` (over the paged cache); `finish` is the rest of the layer.
     """
 
@@ -46,7 +48,11 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(E, eps, off, dtype)
         self.attn = Attention(cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(E, eps, off, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.is_moe = cfg.is_moe
+        if cfg.is_moe:
+            self.moe = MoE(cfg, dtype, rngs)
+        else:
+            self.mlp = MLP(cfg, dtype, rngs)
         if cfg.post_norms:
             self.post_attn_norm = RMSNorm(E, eps, off, dtype)
             self.post_mlp_norm = RMSNorm(E, eps, off, dtype)
@@ -55,18 +61,29 @@ class Block(nnx.Module):
         """The layer after attention: x + post-norm(h), then the MLP residual. x, h: `[T, E]`
         (the input and the attention's projected output); lora: the MLP's adapter updates
         (`layers.LoraDelta`)."""
+        return self.finish_routed(x, h, lora)[0]
+
+    def finish_routed(self, x: jax.Array, h: jax.Array, lora: LoraDelta | None = None,
+                      real: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """`finish`, and for a mixture-of-experts layer its tokens per expert `[X] int32`
+        (counting the `real [T] bool` tokens; None for a dense layer)."""
         if self.post_norms:
             h = self.post_attn_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x), lora)
+        counts = None
+        if self.is_moe:
+            h, counts = self.moe(self.mlp_norm(x), real)
+        else:
+            h = self.mlp(self.mlp_norm(x), lora)
         if self.post_norms:
             h = self.post_mlp_norm(h)
-        return x + h
+        return x + h, counts
 
 
 # Logical axes of one Block's params (engine/sharding.py maps them to the mesh).
 BLOCK_AXES: AxesTable = {
     "attn_norm": NORM_AXES, "attn": ATTENTION_AXES, "mlp_norm": NORM_AXES, "mlp": MLP_AXES,
+    "moe": MOE_AXES,
     "post_attn_norm": NORM_AXES, "post_mlp_norm": NORM_AXES,
 }
 

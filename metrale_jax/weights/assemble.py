@@ -20,6 +20,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError
 from metrale_jax.models.quant import SCALE_SUFFIX, quantize_weight, stacked_in_axes
 from metrale_jax.models.transformer import abstract_model
+from metrale_jax.weights.expert_tensors import expert_tensor, router_tensor
 
 
 def _layer_specs(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, Callable]]:
@@ -31,11 +32,12 @@ def _layer_specs(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, Callable]
         ("attn", "k_proj"): (p + "self_attn.k_proj.weight", lambda w: w.T.reshape(E, K, D)),
         ("attn", "v_proj"): (p + "self_attn.v_proj.weight", lambda w: w.T.reshape(E, K, D)),
         ("attn", "o_proj"): (p + "self_attn.o_proj.weight", lambda w: w.T.reshape(H, D, E)),
-        ("mlp", "gate"): (p + "mlp.gate_proj.weight", lambda w: w.T),
-        ("mlp", "up"): (p + "mlp.up_proj.weight", lambda w: w.T),
-        ("mlp", "down"): (p + "mlp.down_proj.weight", lambda w: w.T),
         ("attn_norm", "weight"): (p + "input_layernorm.weight", lambda w: w),
     }
+    if not cfg.is_moe:  # a mixture of experts' MLP: `place_experts`
+        specs[("mlp", "gate")] = (p + "mlp.gate_proj.weight", lambda w: w.T)
+        specs[("mlp", "up")] = (p + "mlp.up_proj.weight", lambda w: w.T)
+        specs[("mlp", "down")] = (p + "mlp.down_proj.weight", lambda w: w.T)
     if cfg.post_norms:  # Gemma 2 names its four norms differently from Llama.
         specs[("post_attn_norm", "weight")] = (p + "post_attention_layernorm.weight", lambda w: w)
         specs[("mlp_norm", "weight")] = (p + "pre_feedforward_layernorm.weight", lambda w: w)
@@ -161,6 +163,21 @@ def assemble_params(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source:
             name = pattern.format(i=i)
             layers.append(reshaped(fn, take(name), name, path))
         place(("blocks", *path), np.stack(layers), pattern.format(i="*"))
+    if cfg.is_moe:
+        place_experts(cfg, tensors, source, place)
     state = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(state, out)
     return graphdef, state
+
+
+def place_experts(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], source: Path | str,
+                  place: Callable[[tuple[str, ...], np.ndarray, str], None]) -> None:
+    """Places every layer's router `[L, E, X]` and experts (gate / up `[L, X, E, F]`, down
+    `[L, X, F, E]`) read by `weights/expert_tensors.py` from whichever form the checkpoint
+    holds."""
+    routers = [router_tensor(tensors, i, source) for i in range(cfg.num_layers)]
+    place(("blocks", "moe", "router"), np.stack([w.T for _, w in routers]),
+          routers[0][0].replace(".0.", ".*.", 1))
+    for proj in ("gate", "up", "down"):
+        layers = [expert_tensor(cfg, tensors, i, proj, source) for i in range(cfg.num_layers)]
+        place(("blocks", "moe", proj), np.stack([w for _, w in layers]), layers[0][0])

@@ -88,7 +88,8 @@ def expected_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[s
     """HF-named shapes implied by `cfg`: `(shapes, optional)`.
 
     `shapes` maps every parameter the config calls for to its HF shape (`[out, in]` for
-    projections, `[E]` or `[D]` for norms); `optional` names the ones a file may omit
+    projections, `[E]` or `[D]` for norms; a mixture of experts' stacked `[X, out, in]`,
+    `weights/expert_tensors.py`); `optional` names the ones a file may omit
     (`lm_head.weight` when embeddings are tied).
     """
     V, E, F = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
@@ -111,10 +112,17 @@ def expected_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[s
             p + "self_attn.k_proj.weight": (K * D, E),
             p + "self_attn.v_proj.weight": (K * D, E),
             p + "self_attn.o_proj.weight": (E, H * D),
-            p + "mlp.gate_proj.weight": (F, E),
-            p + "mlp.up_proj.weight": (F, E),
-            p + "mlp.down_proj.weight": (E, F),
         })
+        if cfg.is_moe:  # llama.cpp's stacked experts `[X, out, in]` and the router `[X, E]`
+            X, FX = cfg.num_experts, cfg.moe_intermediate_size
+            shapes.update({p + "mlp.gate.weight": (X, E),
+                           p + "mlp.experts.gate_proj.weight": (X, FX, E),
+                           p + "mlp.experts.up_proj.weight": (X, FX, E),
+                           p + "mlp.experts.down_proj.weight": (X, E, FX)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (F, E),
+                           p + "mlp.up_proj.weight": (F, E),
+                           p + "mlp.down_proj.weight": (E, F)})
         if fused:
             for name in ("q_proj", "k_proj", "v_proj"):
                 del shapes[p + f"self_attn.{name}.weight"]
@@ -283,8 +291,6 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, Sequence[
             f"{path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     m = GgufMetadata(meta, arch, path)
-    if m.integer("expert_count", 0) > 0 or any("_exps" in n for n in shapes):
-        raise UnsupportedModelError(f"{path}: mixture-of-experts models are not supported")
 
     E = m.integer("embedding_length")
     L = m.integer("block_count")
@@ -339,4 +345,11 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, Sequence[
         bos_token_id=bos if isinstance(bos, int) and bos >= 0 else None,
         eos_token_ids=_eos_ids(meta),
     )
-    return ModelConfig(**{**fields, **family.graph, **family.gguf_switches(m, fields)})
+    config = ModelConfig(**{**fields, **family.graph, **family.gguf_switches(m, fields)})
+    experts = [n for n in shapes if "_exps" in n]
+    if experts and not config.is_moe:
+        raise UnsupportedModelError(
+            f"{path}: mixture-of-experts tensors (e.g. {experts[0]}) in a {arch} file without "
+            f"{m.key('expert_count')}: Metrale-JAX reads mixture-of-experts models as qwen3moe "
+            "and as llama with experts (Mixtral)")
+    return config

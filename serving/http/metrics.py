@@ -62,6 +62,7 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens",
                                   "Draft tokens accepted by the verify steps.",
                                   value=stats.get("spec_accepted", 0))
+        yield from _router_counters(scheduler)
         pages = getattr(scheduler.engine, "pages", None) if scheduler is not None else None
         cache = getattr(pages, "cache", None)
         yield gauge("prefix_cache_pages", "KV pages in the prefix cache (shared or idle).",
@@ -69,6 +70,24 @@ class _SchedulerCollector(Collector):
         usage = 0.0 if pages is None else 1 - pages.free_pages / pages.usable_pages
         yield gauge("kv_cache_usage_perc", "Fraction of the KV page pool held by sequences.",
                     usage)
+
+
+def _router_counters(scheduler: Any) -> Iterator[Any]:
+    """A mixture-of-experts model's tokens routed per layer and expert since start
+    (`Engine.router_counts`), one counter sample per (layer, expert); nothing for a dense
+    model."""
+    counts_of = getattr(getattr(scheduler, "engine", None), "router_counts", None)
+    counts = counts_of() if callable(counts_of) else None
+    if counts is None:
+        return
+    family = CounterMetricFamily(PREFIX + "moe_expert_tokens",
+                                 "Tokens routed to each expert of each mixture-of-experts "
+                                 "layer (each token counts once for each of its k experts).",
+                                 labels=["layer", "expert"])
+    for layer, row in enumerate(counts):
+        for expert, value in enumerate(row):
+            family.add_metric([str(layer), str(expert)], int(value))
+    yield family
 
 
 class Metrics:

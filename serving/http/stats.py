@@ -13,7 +13,10 @@
      "errors": {"total", "by_status": {"400": n, ...},
                 "recent": [{"time", "status", "type", "message", "request_id"}]},
      "tenants": null without API keys, else {tenant: {"keys", "enabled_keys",
-                "max_concurrent", "running" (slots held), "waiting"}}}
+                "max_concurrent", "running" (slots held), "waiting"}},
+     "moe": null for a dense model, else {"expert_tokens": [[tokens routed to each expert]
+            per layer] (since start), "imbalance": [per layer, the busiest expert's tokens
+            over the mean; 1.0 is even, None before any token]}}
 
 Tenants, never keys: the stats name who is calling, and an admin key is needed to read them
 when keys are configured (serving/http/access.py).
@@ -118,4 +121,16 @@ def stats_body(state: Any) -> dict[str, Any]:
         "prefix_cache": prefix_cache,
         "errors": state.errors.to_dict(),
         "tenants": tenants,
+        "moe": moe_stats(scheduler.engine if scheduler is not None else None),
     }
+
+
+def moe_stats(engine: Any) -> dict[str, Any] | None:
+    """The "moe" entry of the stats: tokens per layer and expert, and each layer's imbalance
+    (max / mean); None for a dense model (or no engine yet)."""
+    counts_of = getattr(engine, "router_counts", None)
+    counts = counts_of() if callable(counts_of) else None
+    if counts is None:
+        return None
+    imbalance = [float(row.max() / row.mean()) if row.sum() else None for row in counts]
+    return {"expert_tokens": counts.tolist(), "imbalance": imbalance}

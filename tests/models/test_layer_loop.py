@@ -38,8 +38,10 @@ LAYERS = 4  # the scan runs several iterations (Gemma 2: two pairs)
 
 
 def deep_model(arch: str):
-    """`random_model(arch)` with `LAYERS` layers (Gemma 2 alternating sliding and global)."""
-    extra = {"sliding_layers": (True, False) * (LAYERS // 2)} if arch == "gemma2" else {}
+    """`random_model(arch)` with `LAYERS` layers (Gemma 2 alternating sliding and global,
+    Gemma 3 three sliding to one global)."""
+    kinds = {"gemma2": (True, False) * (LAYERS // 2), "gemma3": (True, True, True, False)}
+    extra = {"sliding_layers": kinds[arch]} if arch in kinds else {}
     cfg, _, _ = random_model(arch)
     cfg = dataclasses.replace(cfg, num_layers=LAYERS, **extra)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
