@@ -54,7 +54,7 @@ from metrale_jax.engine.state import DecodeState
 from metrale_jax.errors import InvalidParameterError, MemoryPlanError
 from metrale_jax.models.quant4 import is_block_scale
 from metrale_jax.models.quantized_model import quantize_state
-from metrale_jax.models.scanned import StackedLayerParams, stack_layers
+from metrale_jax.models.scanned import StackedLayerParams, layer_group, stack_layers
 from metrale_jax.models.seq2seq_ragged import CROSS_AXES, CrossCache, split_seq2seq
 from metrale_jax.models.transformer import rope_for_context
 from metrale_jax.models.unrolled import LayerParams, split_layers
@@ -189,8 +189,8 @@ def place_params(model_config: ModelConfig, graphdef: nnx.GraphDef, params: Any,
     # step's call flattens the params, which JAX does in C++ for dicts but through Python for
     # States (483 leaves on the default model: 0.46 ms a step, about 5% of an int8 decode
     # step).
-    if config.scans_layers(model_config.is_encoder_decoder,
-                           model_config.quantization):
+    if config.scans_layers(model_config.is_encoder_decoder, model_config.quantization,
+                           layer_group(model_config)):
         graph, stacked = stack_layers(graphdef, params)
         return model_config, graph, shard_params(StackedLayerParams(
             nnx.to_pure_dict(stacked.outer), nnx.to_pure_dict(stacked.blocks)), mesh)
@@ -247,7 +247,7 @@ class StepShardings:
 
         slots = slot_sharding(B, self.mesh)
         stacked = config.scans_layers(model_config.is_encoder_decoder,
-                                      model_config.quantization)
+                                      model_config.quantization, layer_group(model_config))
 
         def pools(layers: int, num_pages: int):
             if stacked:

@@ -52,6 +52,7 @@ from metrale_jax.engine.placement import StepShardings
 from metrale_jax.engine.router_stats import RouterStats
 from metrale_jax.engine.sampling_state import SamplingState
 from metrale_jax.host_memory import release_free_memory
+from metrale_jax.models.scanned import layer_group
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class StepPrograms:
                               pool_rows, float_dtype=jnp.dtype(config.dtype),
                               stacked_pages=config.scans_layers(
                                   model_config.is_encoder_decoder,
-                                  model_config.quantization),
+                                  model_config.quantization, layer_group(model_config)),
                               window_columns=config.window_columns(model_config)),
             out_shardings=shardings.state)
         self.state_spec = jax.tree.map(

@@ -95,6 +95,17 @@ class _Drawn:
     keep: jax.Array | None
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` (the first largest entry of each row `x: [..., V]` ->
+    `[...]` int32) as two plain reductions, a max and a min over the indices holding it:
+    XLA:CPU lowers argmax to one variadic (value, index) reduction that it does not
+    vectorize, 4-5x slower over a large vocabulary (9 ms against ~2 ms for 16 rows of
+    Gemma 3's 262,144 logits)."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == best, index, x.shape[-1] - 1), axis=-1)
+
+
 def _full_sort(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     neg, ids = jax.lax.sort_key_val(-x, jnp.broadcast_to(
         jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape), dimension=-1)
@@ -105,7 +116,7 @@ def _draw_sorted(vals: jax.Array, ids: jax.Array, keep: jax.Array,
                  row_keys: jax.Array) -> jax.Array:
     """Gumbel-max over kept sorted candidates `vals, ids, keep: [R, N]`: [R] int32 ids."""
     g = jax.vmap(_token_noise)(row_keys, ids)
-    best = jnp.argmax(jnp.where(keep, vals + g, -jnp.inf), axis=-1)
+    best = first_argmax(jnp.where(keep, vals + g, -jnp.inf))
     return jnp.take_along_axis(ids, best[:, None], axis=-1)[:, 0]
 
 
@@ -141,7 +152,7 @@ def _draw(x: jax.Array, sampling: SamplingState, row_keys: jax.Array, want_keep:
 
     def band(_):
         g = jax.vmap(lambda k: _token_noise(k, all_ids))(row_keys)
-        return jnp.argmax(jnp.where(in_band, x + g, -jnp.inf), axis=-1).astype(jnp.int32)
+        return first_argmax(jnp.where(in_band, x + g, -jnp.inf))
 
     zeros = lambda _: jnp.zeros((R,), jnp.int32)  # noqa: E731
     tok_b = jax.lax.cond(jnp.any(mode == BAND), band, zeros, None)
@@ -198,7 +209,7 @@ def sample(logits: jax.Array, sampling: SamplingState, history: TokenHistory,
     processed_mode = logprobs_mode == "processed"
     R, V = logits.shape
     proc = process_logits(logits, sampling, history, length, steps, allowed)
-    greedy = jnp.argmax(proc, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(proc)
     t = sampling.temperature
     hot = t > 0
     row_keys = step_keys(sampling, steps)

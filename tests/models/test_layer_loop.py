@@ -112,6 +112,7 @@ def test_the_setting_is_checked_and_defaults_per_backend():
         EngineConfig(layer_loop="rolled")
     assert default_layer_loop("cpu") == "unrolled"
     assert default_layer_loop("cpu", "int4") == "scan"
+    assert default_layer_loop("cpu", "int4", layer_group=6) == "unrolled"  # Gemma 3's layers
     assert default_layer_loop("cpu", "int8") == default_layer_loop("cpu", "int8-all") == "unrolled"
     assert EngineConfig().scans_layers(quantization="int4")
     assert not EngineConfig().scans_layers() and not EngineConfig().scans_layers(
