@@ -34,7 +34,7 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> list[list[i
     return np.stack(outs, axis=1).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "phi3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "qwen2"])
 def test_greedy_matches_transformers(arch, tmp_path):
     hf = build_hf_model(arch, tmp_path)
     hf.generation_config.eos_token_id = None
@@ -53,7 +53,7 @@ def test_greedy_matches_transformers(arch, tmp_path):
         assert got == ref, f"{arch}, prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
 def test_greedy_across_attention_lengths_with_few_active_slots(arch, tmp_path):
     """Two requests in an 8-slot engine (only the first rows are computed), decoding from
     position ~100 past 128, where attention switches to a longer cache prefix; both archs

@@ -51,7 +51,6 @@ ARCHS = {
     "gemma3": dict(architecture="gemma3", **GEMMA, post_norms=True, qk_norm=True,
                    sliding_window=4, sliding_layers=(True, False), query_pre_attn_scalar=16.0,
                    rope_theta=1e6, rope_local_theta=1e4),
-    "phi3": dict(architecture="phi3"),
 }
 LAYOUTS = {  # weight shape, input axes -> scale shape (the output axes)
     "q_proj [E, H, D]": ((64, 4, 16), (0,), (4, 16)),
