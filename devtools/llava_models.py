@@ -53,10 +53,13 @@ TOWERS = {
 
 
 def build_llava_folder(folder: Path, tower: str = "clip", text: str = "llama", seed: int = 0,
-                       llava_overrides: dict | None = None
+                       llava_overrides: dict | None = None, processor_file: bool = False
                        ) -> transformers.LlavaForConditionalGeneration:
     """Saves a tiny random LLaVA model and its tokenizer, processor config and template into
-    `folder`; returns the transformers model (eval mode, float32)."""
+    `folder`; returns the transformers model (eval mode, float32). processor_file: the
+    processor saved as transformers 5 saves it (`LlavaProcessor.save_pretrained`:
+    `processor_config.json` with the image processor nested, `chat_template.jinja`, no
+    `preprocessor_config.json`)."""
     spec = TOWERS[tower]
     save_tiny_tokenizer(folder, added_tokens=(IMAGE_TOKEN,), chat_template=CHAT_TEMPLATE)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
@@ -77,6 +80,15 @@ def build_llava_folder(folder: Path, tower: str = "clip", text: str = "llama", s
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(spec["processor"]))
+    if processor_file:
+        image_processor = transformers.AutoImageProcessor.from_pretrained(folder)
+        transformers.LlavaProcessor(
+            image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE,
+            patch_size=config.vision_config.patch_size,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            num_additional_image_tokens=1 if tower == "clip" else 0).save_pretrained(folder)
+        (folder / "preprocessor_config.json").unlink()
+        return model
     if tower == "siglip":  # the template where llava-hf's hub folders keep it: the processor's
         (folder / "chat_template.jinja").unlink()
         (folder / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))

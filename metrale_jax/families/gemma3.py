@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from metrale_jax.families import gemma
+from metrale_jax.families import gemma, gemma2
 from metrale_jax.families.family import Family, GgufMetadata, layer_windows
 
 SLIDING_PATTERN = 6
@@ -69,9 +69,5 @@ FAMILY = Family(
     hf_switches=hf_switches,
     gguf_switches=gguf_switches,
     chat_template=gemma.CHAT_TEMPLATE,
-    gguf_layer_tensors={
-        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    },
+    gguf_layer_tensors=gemma2.FAMILY.gguf_layer_tensors,  # the same four norms
 )

@@ -83,6 +83,49 @@ def list_checkpoints(folder: Path | None = None) -> list[CheckpointInfo]:
     return out
 
 
+def list_hub_cache(cache_dir: str | Path | None = None) -> list[CheckpointInfo]:
+    """The models in the Hugging Face Hub cache (`HF_HUB_CACHE`, or `cache_dir`): one entry
+    per cached revision of a model repo (`org/repo`, `@revision` added where a repo has
+    several), or per GGUF file in it (`org/repo/file.gguf`), read as `describe` reads a
+    checkpoint, with `error` saying why one would not load (an architecture no family serves,
+    files missing). Empty when there is no cache."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+    try:
+        cache = scan_cache_dir(cache_dir)
+    except CacheNotFound:
+        return []
+    out = []
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model":
+            continue
+        revisions = sorted(repo.revisions, key=lambda r: r.commit_hash)
+        for rev in revisions:
+            name = repo.repo_id
+            if len(revisions) > 1:
+                refs = sorted(rev.refs)
+                name += "@" + (refs[0] if refs else rev.commit_hash[:12])
+            snapshot = Path(rev.snapshot_path)
+            ggufs = sorted(snapshot.rglob("*.gguf"))
+            entries = [(f"{name}/{g.relative_to(snapshot)}", g) for g in ggufs] or [
+                (name, snapshot)]
+            for label, path in entries:
+                info = dataclasses.replace(describe(path), name=label)
+                out.append(dataclasses.replace(info, error=info.error or _unserved(info)))
+    return out
+
+
+def _unserved(info: CheckpointInfo) -> str | None:
+    """Why a readable checkpoint would not load: an architecture no family serves."""
+    from metrale_jax.families import family_of_gguf, family_of_hf
+    if info.format not in ("hf", "gguf") or info.architecture is None:
+        return None
+    family = (family_of_hf if info.format == "hf" else family_of_gguf)(info.architecture)
+    if family is None:
+        return f"not served: architecture {info.architecture!r}"
+    return None
+
+
 def describe(path: Path) -> CheckpointInfo:
     """The `CheckpointInfo` of one file or folder (never raises for a bad checkpoint)."""
     path = Path(path)

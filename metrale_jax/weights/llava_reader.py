@@ -1,7 +1,8 @@
 """Reads a LLaVA vision-language model from a Hugging Face folder.
 
 The family's facts (its config, the tensor name prefixes) are `families.llava`; the config is
-read by `hf_config.llava_model_config`; `preprocessor_config.json` gives the image processor.
+read by `hf_config.llava_model_config`; `preprocessor_config.json` (or transformers 5's
+`processor_config.json`) gives the image processor.
 The text model's tensors are renamed to the decoder-only names and assembled as any
 decoder-only model; the vision tower's and projector's into a `models.vision.VisionEncoder`.
 """
@@ -137,16 +138,31 @@ def assemble_vision(cfg: VisionConfig, tensors: Mapping[str, np.ndarray], source
     return graphdef, state
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+"""Where a folder keeps its image processor: the image processor's own file (transformers 4,
+llava-hf's Hub folders), or transformers 5's processor file, which nests it under
+`image_processor` (`LlavaProcessor.save_pretrained`)."""
+
+
 def read_processor_config(folder: Path) -> dict[str, Any]:
-    """The folder's `preprocessor_config.json`; `CheckpointError` when it is missing."""
-    path = folder / "preprocessor_config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{folder}: a vision-language model needs its "
-                              "preprocessor_config.json (the image processor)")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    """The folder's image processor settings: `preprocessor_config.json`, else the
+    `image_processor` entry of `processor_config.json` (`PROCESSOR_FILES`); `CheckpointError`
+    when neither holds one."""
+    for name in PROCESSOR_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        if name == "processor_config.json":
+            config = config.get("image_processor") if isinstance(config, dict) else None
+        if isinstance(config, dict):
+            return config
+    raise CheckpointError(f"{folder}: a vision-language model needs its image processor's "
+                          "settings: preprocessor_config.json, or processor_config.json with "
+                          "an image_processor entry")
 
 
-__all__ = ["assemble_vision", "read_processor_config", "split_tensors"]
+__all__ = ["PROCESSOR_FILES", "assemble_vision", "read_processor_config", "split_tensors"]

@@ -16,6 +16,11 @@ from metrale_jax.config import ModelConfig
 
 Format = Literal["hf", "gguf", "orbax"]
 
+SAMPLING_DEFAULT_KEYS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int,
+                                          "min_p": float, "repetition_penalty": float}
+"""The `generation_config.json` fields that become request defaults (`Checkpoint.
+sampling_defaults`), with their types."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
@@ -44,6 +49,20 @@ class Checkpoint:
     gguf_metadata: dict[str, Any] | None = None
     vision: tuple[nnx.GraphDef, nnx.State] | None = None
     image_processor: dict[str, Any] | None = None
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling fields the checkpoint's `generation_config.json` sets
+        (`SAMPLING_DEFAULT_KEYS`: temperature, top_p, top_k, min_p, repetition_penalty), as
+        numbers: the server's defaults for a request that leaves them out, as vLLM's
+        `--generation-config auto` applies them. Empty for a checkpoint without them (a
+        GGUF, most tiny models)."""
+        out: dict[str, Any] = {}
+        for key, kind in SAMPLING_DEFAULT_KEYS.items():
+            value = self.generation_config.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[key] = kind(value)
+        return out
 
     @property
     def num_params(self) -> int:

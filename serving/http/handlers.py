@@ -68,8 +68,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
     if rt.is_translation:
         translation.check_chat_request(req)
         req.validate_semantics()
-        params = dataclasses.replace(req.sampling_params(req.max_new_tokens,
-                                                         req.num_logprobs), lora=lora)
+        params = dataclasses.replace(req.sampling_params(
+            req.max_new_tokens, req.num_logprobs, rt.checkpoint.sampling_defaults), lora=lora)
         gen = _translate(state, rt, req, [translation.chat_text(req)], params, request_id,
                          "messages")
         env = Envelope("chatcmpl", "chat.completion", state.settings.model_name,
@@ -86,7 +86,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
     else:
         prompt, images = await vision.chat_prompt(rt, req, **render)
         rt = state.require_ready()  # still serving after the images loaded
-    params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.num_logprobs),
+    params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.num_logprobs,
+                                                     rt.checkpoint.sampling_defaults),
                                  lora=lora)
     output = ChatOutput.for_request(
         state.settings, rt.checkpoint.chat_template, req.tool_choice_spec(),
@@ -113,7 +114,8 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
     if rt.is_translation:
         translation.check_completion_request(req)
         req.validate_semantics()
-        params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.logprobs),
+        params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.logprobs,
+                                                         rt.checkpoint.sampling_defaults),
                                      lora=lora)
         gen = _translate(state, rt, req, [str(p) for p in req.prompts], params, request_id,
                          "prompt")
@@ -130,7 +132,8 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
         else:
             prompts.append(list(p))
             texts.append(rt.decode(p, skip_special_tokens=False) if req.echo else "")
-    params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.logprobs),
+    params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.logprobs,
+                                                         rt.checkpoint.sampling_defaults),
                                  lora=lora)
     gen = Generation(rt, state.metrics, prompts, params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,

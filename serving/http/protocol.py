@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -163,14 +164,18 @@ class SamplingRequestBase(RequestBody):
             return self.num_beams
         return self.n if self.use_beam_search else 1
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The scheduler's `SamplingParams` of one choice: every field the body set under its
-        OpenAI spelling (unset: the field's default), then those carried by properties."""
+        OpenAI spelling (unset: `defaults`, the model's generation config, then the field's
+        default), then those carried by properties."""
         values: dict[str, Any] = {}
         for s in spellings("openai"):
             value = None if s.via else getattr(self, s.name)
             if value is not None:
                 values[s.field] = s.convert(value) if s.convert is not None else value
+        for field, value in (defaults or {}).items():
+            values.setdefault(field, value)
         return SamplingParams(
             **values, max_tokens=max_tokens, logprobs=logprobs, constraint=self.constraint(),
             num_beams=self.beams, speculative_tokens=(

@@ -318,6 +318,9 @@ class ModelRuntime:
                                 "max_model_len": self.max_len,
                                 "input_modalities": ["text", "image"] if self.vision is not None
                                 else ["text"]}
+        if self.checkpoint is not None and self.checkpoint.sampling_defaults:
+            # the request defaults from generation_config.json (a request's fields win)
+            card["sampling_defaults"] = self.checkpoint.sampling_defaults
         if self.vision is not None and self.image_limits is not None:
             card["max_images"] = self.image_limits.max_images  # per request
         if self.is_translation:

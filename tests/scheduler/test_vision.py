@@ -30,7 +30,9 @@ def vlm(request, tmp_path_factory):
     from devtools.llava_models import build_llava_folder
     from metrale_jax import LLM
     folder = tmp_path_factory.mktemp(f"llava-{request.param}")
-    hf = build_llava_folder(folder, request.param, "llama")
+    # CLIP's folder as transformers 5 saves a processor (processor_config.json, nested)
+    hf = build_llava_folder(folder, request.param, "llama",
+                            processor_file=request.param == "clip")
     llm = LLM(folder, max_slots=4, max_len=128, max_prefill_len=16, max_prefill_batch=2,
               max_images=3, warmup=True)
     _ = llm.scheduler
@@ -126,11 +128,11 @@ def test_images_that_do_not_fit_are_refused(vlm):
 
 def _processor(folder, llm):
     """transformers' `LlavaProcessor` for the folder (its PIL image processor backend)."""
-    import json
 
     import transformers
     v = llm.config.vision
-    cfg = json.loads((folder / "preprocessor_config.json").read_text())
+    from metrale_jax.weights.llava_reader import read_processor_config
+    cfg = read_processor_config(folder)
     cls = {"clip": transformers.CLIPImageProcessorPil,
            "siglip": transformers.SiglipImageProcessorPil}[v.tower]
     from devtools.llava_models import CHAT_TEMPLATE

@@ -106,3 +106,45 @@ def test_listing_keeps_going_past_bad_entries(tmp_path):
     assert infos["notes.txt"].format is None and "not a .gguf file" in infos["notes.txt"].error
     assert list_checkpoints(tmp_path / "missing") == []
     assert infos["good.gguf"].num_params == 64 * 64 + 300 * 64 + 64
+
+
+def _cache_repo(cache: Path, repo: str, files: dict[str, Path], commit: str) -> None:
+    """Lays `files` (name -> source file) out as huggingface_hub's cache does: content in
+    `blobs/`, `snapshots/COMMIT/NAME` linking to it, `refs/main` naming the commit."""
+    import hashlib
+    import os
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for name, src in files.items():
+        data = src.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snap / name).symlink_to(os.path.relpath(blob, snap))
+
+
+def test_hub_cache_models_are_listed_with_why_one_would_not_load(tmp_path):
+    import json
+
+    from devtools.hf_models import build_tiny_checkpoint
+    from metrale_jax.weights.catalog import list_hub_cache
+    tiny = build_tiny_checkpoint(tmp_path / "tiny")
+    cache = tmp_path / "hub"
+    files = {p.name: p for p in tiny.iterdir() if p.is_file()}
+    _cache_repo(cache, "org/tiny-llama", files, "a" * 40)
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    _cache_repo(cache, "org/a-bert", {"config.json": bert / "config.json",
+                                      "model.safetensors": tiny / "model.safetensors"},
+                "b" * 40)
+    infos = {i.name: i for i in list_hub_cache(cache)}
+    assert set(infos) == {"org/tiny-llama", "org/a-bert"}
+    llama = infos["org/tiny-llama"]
+    assert (llama.format, llama.architecture, llama.error) == ("hf", "llama", None)
+    assert llama.num_params and llama.size_bytes > 0
+    assert infos["org/a-bert"].error == "not served: architecture 'bert'"
+    assert list_hub_cache(tmp_path / "no-cache") == []

@@ -15,7 +15,10 @@ from tests.weights.test_catalog import write_small_gguf
 def models(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "serving.cli", "models", *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+                          env={**os.environ, "JAX_PLATFORMS": "cpu",
+                               # no Hub cache's models beside the folder's, unless given
+                               "HF_HUB_CACHE": os.path.join(ROOT, "no-hub-cache"),
+                               **(env or {})})
 
 
 def test_lists_the_checkpoints_folder(tmp_path):
@@ -53,3 +56,22 @@ def test_human_units():
     assert human_bytes(512) == "512 B" and human_bytes(98_362_432) == "98.4 MB"
     assert human_count(134_515_008) == "134.5M" and human_count(None) == "?"
     assert human_count(999) == "999" and human_count(7_241_732_096) == "7.2B"
+
+
+def test_available_lists_the_registry_models_and_their_aliases(tmp_path):
+    """`--available`: every name `metrale pull` fetches, with license, size and whether it is
+    pulled; the alias `smollm2-135m` resolves to the default model's file."""
+    from metrale_jax.weights.checkpoint import resolve
+    from metrale_jax.weights.default_model import PYPI_MODELS, default_model_path
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    r = models("--available", "--json", env={"METRALE_CHECKPOINTS": str(folder)})
+    assert r.returncode == 0, r.stderr
+    listed = {e["name"]: e for e in json.loads(r.stdout)}
+    assert set(listed) == set(PYPI_MODELS) == {"default", "gemma3-270m"}
+    assert listed["default"]["aliases"] == ["smollm2-135m"]
+    assert listed["gemma3-270m"]["license"].startswith("Gemma Terms of Use")
+    assert listed["gemma3-270m"]["size_bytes"] == 253_113_024
+    assert not any(e["pulled"] for e in listed.values())  # an empty checkpoints folder
+    if default_model_path().is_file():
+        assert resolve("smollm2-135m") == resolve("default") == (default_model_path(), "gguf")
