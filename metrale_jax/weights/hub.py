@@ -209,6 +209,14 @@ def describe_hub_error(hub: HubName, error: Exception) -> Exception | None:
             "commit)")
     if isinstance(error, errors.RemoteEntryNotFoundError):
         return ModelNotFoundError(f"Hugging Face repo {repo} has no file {hub.filename!r}")
+    if isinstance(error, errors.HFValidationError):
+        return ModelNotFoundError(f"{str(hub)!r} is not a valid Hugging Face repo name: "
+                                  f"{_first_line(error)}")
+    if isinstance(error, errors.HfHubHTTPError) and error.response is not None and (
+            error.response.status_code in (401, 403)):
+        return ModelNotFoundError(
+            f"the Hugging Face Hub at {endpoint} refused access to {repo} "
+            f"({error.response.status_code}): check HF_TOKEN")
     if isinstance(error, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
         if constants.is_offline_mode():
             return ModelNotFoundError(

@@ -226,6 +226,8 @@ def test_not_found_gated_and_unsupported(fake_hub, hub_env):
     with pytest.raises(ModelNotFoundError, match="Hugging Face repo org/gated is gated: accept "
                        "its license on http://127.*/org/gated .*set HF_TOKEN"):
         resolve("org/gated")
+    with pytest.raises(ModelNotFoundError, match="'org/bad..name' is not a valid Hugging Face"):
+        resolve("org/bad..name")
     with pytest.raises(ModelNotFoundError, match="has no file 'none.gguf'"):
         resolve("org/tiny-gguf/none.gguf")
     from metrale_jax.weights.checkpoint import load_checkpoint
@@ -249,6 +251,12 @@ def test_cli_pull_and_generate_by_name(fake_hub, hub_env):
     assert pulled.returncode == 0, pulled.stderr
     path = Path(pulled.stdout.strip().splitlines()[-1])
     assert path.name == "tiny-Q8_0.gguf" and path.is_relative_to(hub_env)
+    generated = run_metrale("generate", "--model", "org/tiny-llama", "--prompt", "quick brown",
+                            "--max-tokens", "5", "--temperature", "0", "--max-len", "64",
+                            "--json")  # tests/test_cli.py's shapes: its compiled programs
+    assert generated.returncode == 0, generated.stderr
+    assert 1 <= len(json.loads(generated.stdout)["token_ids"]) <= 5
+    assert fake_hub.file_gets("org/tiny-llama")
     missing = run_metrale("generate", "--model", "org/nothing", "--max-tokens", "2")
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
