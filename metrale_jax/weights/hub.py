@@ -125,15 +125,28 @@ def pick_gguf(hub: HubName, ggufs: list[str]) -> str:
 
 
 def _repo_files(hub: HubName) -> list[str]:
-    """The repo's file names at the revision: from the Hub, or offline from the cached tree."""
+    """The repo's file names at the revision: from the Hub (one `model_info` request, no
+    retries), or, offline or with the Hub unreachable, from the tree listing a download
+    cached (else the library's error, which says why)."""
     import huggingface_hub as hf
     from huggingface_hub import constants, errors
+    unreachable: Exception
     if constants.is_offline_mode():
+        unreachable = errors.OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
+    else:
         try:
-            return [f.path for f in hf.get_cached_repo_tree(hub.repo_id, revision=hub.revision)]
-        except errors.CachedRepoTreeNotFoundError as e:
-            raise errors.OfflineModeIsEnabled(str(e)) from e
-    return hf.HfApi().list_repo_files(hub.repo_id, revision=hub.revision)
+            info = hf.HfApi().model_info(hub.repo_id, revision=hub.revision)
+            return [s.rfilename for s in info.siblings or ()]
+        except (errors.OfflineModeIsEnabled, ConnectionError, TimeoutError) as e:
+            unreachable = e
+        except Exception as e:
+            if not type(e).__module__.startswith("httpx"):  # the Hub answered: its error
+                raise
+            unreachable = e
+    try:
+        return [f.path for f in hf.get_cached_repo_tree(hub.repo_id, revision=hub.revision)]
+    except errors.CachedRepoTreeNotFoundError:
+        raise unreachable from None
 
 
 def _download_safetensors(hub: HubName, files: list[str]) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,21 @@ def test_offline_serves_from_the_cache(fake_hub, hub_env, monkeypatch):
     assert fake_hub.log == []
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE is set and org/tiny-gguf:Q4_K_M"):
         resolve_hub_name("org/tiny-gguf:Q4_K_M")
+
+
+def test_unreachable_hub_serves_from_the_cache(fake_hub, hub_env, monkeypatch):
+    from metrale_jax.errors import FetchError
+    cached = resolve_hub_name("org/tiny-gguf:Q8_0"), resolve_hub_name("org/tiny-llama")
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setattr(hf.constants, "ENDPOINT", down)
+    monkeypatch.setattr(hf.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        down + "/{repo_id}/resolve/{revision}/{filename}")
+    assert (resolve_hub_name("org/tiny-gguf:Q8_0"), resolve_hub_name("org/tiny-llama")) == cached
+    with pytest.raises(FetchError, match=f"could not reach the Hugging Face Hub at {down} for "
+                       "org/gated"):
+        resolve_hub_name("org/gated")
 
 
 def test_cache_shared_with_transformers(fake_hub, hub_env):
