@@ -79,17 +79,31 @@ def resolve_hub_name(name: str) -> Path:
     """Downloads (or finds in the Hub cache) the model `name` names and returns its local
     path: the snapshot folder of a safetensors repo, or the `.gguf` file of a GGUF repo.
     Raises `ModelNotFoundError`, `CheckpointError` or `FetchError` naming the repo."""
+    from huggingface_hub import constants
     hub = parse_hub_name(name)
     if hub is None:
         raise ModelNotFoundError(f"{name!r} is not a Hugging Face repo name (org/repo)")
+    # `metrale serve` resolves a name twice (is it a translation model? then load it): the
+    # second time asks the Hub nothing
+    key = (name, constants.ENDPOINT, constants.HF_HUB_CACHE, constants.is_offline_mode())
+    if key in _RESOLVED and _RESOLVED[key].exists():
+        return _RESOLVED[key]
     with _hub_errors(hub):
         if hub.filename is not None:
-            return _download_gguf(hub, hub.filename)
-        files = _repo_files(hub)
-        ggufs = sorted(f for f in files if f.endswith(".gguf"))
-        if hub.quant is None and ("config.json" in files or not ggufs):
-            return _download_safetensors(hub, files)
-        return _download_gguf(hub, pick_gguf(hub, ggufs))
+            path = _download_gguf(hub, hub.filename)
+        else:
+            files = _repo_files(hub)
+            ggufs = sorted(f for f in files if f.endswith(".gguf"))
+            if hub.quant is None and ("config.json" in files or not ggufs):
+                path = _download_safetensors(hub, files)
+            else:
+                path = _download_gguf(hub, pick_gguf(hub, ggufs))
+    _RESOLVED[key] = path
+    return path
+
+
+_RESOLVED: dict[tuple[str, str, str, bool], Path] = {}
+"""The paths this process resolved, by (name, endpoint, cache folder, offline)."""
 
 
 def pick_gguf(hub: HubName, ggufs: list[str]) -> str:

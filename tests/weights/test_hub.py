@@ -131,8 +131,10 @@ def test_load_by_name_generates_as_the_local_folder(fake_hub, hub_env):
         assert got == local.generate("The quick brown fox", params)[0].token_ids
     finally:
         local.close()
+    requests = len(fake_hub.log)
     path, fmt = resolve("org/tiny-llama")
     assert fmt == "hf" and path.is_relative_to(hub_env)
+    assert len(fake_hub.log) == requests  # resolved once per process
     names = {p.name for p in path.iterdir()}
     assert "config.json" in names and "model.safetensors" in names
     assert not names & {"README.md", "pytorch_model.bin"}  # only what the loaders read
