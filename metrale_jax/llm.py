@@ -62,7 +62,8 @@ class LLM:
 
     Args:
         model: "default", or a path to a Hugging Face folder, a .gguf file or a Metrale
-            (orbax) checkpoint folder.
+            (orbax) checkpoint folder, or a Hugging Face Hub name ("org/repo",
+            "org/repo:QUANT", "org/repo/file.gguf", each with an optional "@revision").
         dtype: params and compute dtype, "float32" (CPU) or "bfloat16" (TPU/GPU); None =
             float32, or an orbax checkpoint's stored dtype.
         max_slots, max_len: decode slots B and context length S of the engine (None = as

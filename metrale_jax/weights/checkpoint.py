@@ -2,7 +2,8 @@
 
 `load_checkpoint("default")` is the default model (SmolLM2-135M-Instruct, GGUF, fetched into
 `checkpoints/` by `metrale pull`); any other string is a path to a Hugging Face folder, a
-`.gguf` file or a Metrale orbax checkpoint (a folder with `metrale.json`).
+`.gguf` file or a Metrale orbax checkpoint (a folder with `metrale.json`), or else a Hugging
+Face Hub name (`org/repo`, `org/repo:QUANT`, `org/repo/file.gguf`, `@revision`: weights/hub.py).
 
 Placement hook: `load_checkpoint(..., shardings=fn)` calls `fn(config, dtype)` once the model's
 config is read and before any weight is. The engine passes its placement there (mesh and
@@ -28,6 +29,7 @@ from metrale_jax.families import family_of_config
 from metrale_jax.models.quant import check_quantization
 from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.text import load_tokenizer, tokenizer_from_gguf_metadata
+from metrale_jax.weights import hub
 from metrale_jax.weights.assemble import assemble_params
 from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, PYPI_NAMES, model_path
 from metrale_jax.weights.gguf_reader import read_gguf
@@ -49,7 +51,8 @@ device (the engine places them) and ignore it. It may raise to refuse the model.
 def resolve(model: str | Path) -> tuple[Path, Format]:
     """Maps a model name or path to `(path, format)`, or raises `ModelNotFoundError`. A name
     of `PYPI_MODELS` (`default`, `gemma3-270m`) is its pulled GGUF, unless a file or folder of
-    that name exists."""
+    that name exists; a Hugging Face name (`org/repo[:QUANT][@revision]`, weights/hub.py)
+    that is no local path is fetched into the Hub cache."""
     name = str(model)
     if name in PYPI_NAMES and not Path(name).exists():
         path = model_path(name)
@@ -61,6 +64,8 @@ def resolve(model: str | Path) -> tuple[Path, Format]:
                 f"{what} is not in {path.parent}; run `{pull_cmd}` to fetch it")
         return path, "gguf"
     path = Path(model).expanduser()
+    if not path.exists() and hub.looks_like_hub_name(name):  # org/repo[:QUANT][@revision]
+        path = hub.resolve_hub_name(name)
     if path.is_file() and path.suffix == ".gguf":
         return path, "gguf"
     if path.is_dir():

@@ -299,7 +299,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None,
                    help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None,
-                   help="run this model in process: 'default' or a checkpoint path (the "
+                   help="run this model in process: 'default', a checkpoint path or a Hugging "
+                        "Face name org/repo[:QUANT][@revision] (the "
                         "default when --url is not given)")
     p.add_argument("--model-id", default=None,
                    help="with --url: the model id to ask for (default: the first the server "

@@ -30,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `metrale convert`."""
     from serving.cli.scale import add_quantization_flag
     conv = sub.add_parser("convert", help="convert a checkpoint to Metrale's orbax format")
-    conv.add_argument("src", help="'default', a HF folder, or a .gguf file")
+    conv.add_argument("src", help="'default', a HF folder, a .gguf file, or a "
+                      "Hugging Face name org/repo[:QUANT][@revision]")
     conv.add_argument("dst", help="output folder (must not exist)")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                       help="params dtype to store (default float32)")

@@ -83,7 +83,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `metrale generate`."""
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--model", default="default", help="'default' or a checkpoint path")
+    gen.add_argument("--model", default="default", help="'default', a checkpoint path, or a "
+                     "Hugging Face name org/repo[:QUANT][@revision]")
     gen.add_argument("--prompt", default=DEMO_PROMPT, help="the prompt text")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message in the chat template")

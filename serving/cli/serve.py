@@ -320,7 +320,8 @@ def _media_flags(parser: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `metrale serve`."""
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    srv.add_argument("--model", default="default", help="'default' or a checkpoint path")
+    srv.add_argument("--model", default="default", help="'default', a checkpoint path, or a "
+                     "Hugging Face name org/repo[:QUANT][@revision]")
     srv.add_argument("--served-model-name", default=None,
                      help="the model id clients use (default: the --model argument)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
