@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,7 @@ def read_gguf(path: str | os.PathLike[str], *,
     path = Path(path)
     metadata, tensor_list = read_gguf_header(path, reference=reference)
     if int(metadata.get("split.count") or 1) > 1:
-        raise UnsupportedModelError(
-            f"{path}: split GGUF files are not supported; merge the parts first "
-            "(llama-gguf-split --merge)")
+        tensor_list = read_split_tensors(path, metadata, tensor_list, reference)
     by_name = {t.name: t for t in tensor_list}
     shapes = {name: t.numpy_shape for name, t in by_name.items()}
     rope_freqs = (_dequantize(by_name[ROPE_FREQS], path, reference) if ROPE_FREQS in by_name
@@ -129,6 +128,39 @@ def read_gguf(path: str | os.PathLike[str], *,
             progress(done, len(plan))
     del tensor_list, by_name  # drop the memory map
     return config, tensors, metadata
+
+
+SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+"""llama.cpp's name of a split GGUF's part: `PREFIX-00001-of-00003.gguf`."""
+
+
+def read_split_tensors(path: Path, metadata: dict[str, Any], first: list[TensorInfo],
+                       reference: bool = False) -> list[TensorInfo]:
+    """The tensors of a split GGUF (llama.cpp's `llama-gguf-split`: the model's metadata in
+    the first part, each part holding some tensors) whose first part is `path` (its
+    `metadata` and tensors `first` read): every part's `TensorInfo`s, each viewing its own
+    file. The parts are found beside `path` by name (`SPLIT_NAME`); `CheckpointError` names a
+    missing or mismatched part."""
+    count = int(metadata["split.count"])
+    match = SPLIT_NAME.search(path.name)
+    if int(metadata.get("split.no") or 0) != 0 or match is None or int(match[2]) != count:
+        raise CheckpointError(
+            f"{path}: part of a split GGUF of {count} files; load its first part "
+            f"(PREFIX-00001-of-{count:05d}.gguf)")
+    tensors = list(first)
+    for i in range(2, count + 1):
+        part = path.with_name(SPLIT_NAME.sub(f"-{i:05d}-of-{count:05d}.gguf", path.name))
+        if not part.is_file():
+            raise CheckpointError(f"{path}: split GGUF part {part.name} is missing")
+        meta, more = read_gguf_header(part, reference=reference)
+        if int(meta.get("split.no", -1)) != i - 1 or int(meta.get("split.count", 0)) != count:
+            raise CheckpointError(f"{part}: not part {i} of {count} of {path.name}")
+        tensors += more
+    want = metadata.get("split.tensors.count")
+    if want is not None and int(want) != len(tensors):
+        raise CheckpointError(f"{path}: the split GGUF's parts hold {len(tensors)} tensors, "
+                              f"its first part says {want}")
+    return tensors
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -107,8 +107,8 @@ _RESOLVED: dict[tuple[str, str, str, bool], Path] = {}
 
 
 def pick_gguf(hub: HubName, ggufs: list[str]) -> str:
-    """The `.gguf` of `ggufs` that `hub.quant` picks (its first shard for a split model, which
-    the GGUF reader then refuses by name): a name holding the tag as a whole word first, else
+    """The `.gguf` of `ggufs` that `hub.quant` picks (its first part for a split model, whose
+    parts the GGUF reader joins): a name holding the tag as a whole word first, else
     holding it at all; `DEFAULT_QUANT` or the only file without a tag. Raises
     `ModelNotFoundError` listing the files when none or several match."""
     weights = [f for f in ggufs if "mmproj" not in f.lower()]
@@ -181,25 +181,27 @@ def _download_safetensors(hub: HubName, files: list[str]) -> Path:
 
 
 def _download_gguf(hub: HubName, filename: str) -> Path:
-    """The local path of `filename`, a `.gguf` of the repo; a split model is refused before
-    anything is downloaded (the GGUF reader reads single files)."""
+    """The local path of `filename`, a `.gguf` of the repo; for a split model
+    (`PREFIX-00001-of-0000N.gguf`) every part is downloaded beside it and the first part's
+    path returned (the GGUF reader joins them)."""
     import huggingface_hub as hf
     from huggingface_hub import constants, errors
+    wanted = [filename]
     shard = _SHARD.search(filename)
     if shard:
-        raise CheckpointError(
-            f"{hub}: {filename} is part of a split GGUF ({int(shard[2])} files); Metrale "
-            "reads single GGUF files only: pick another quant or merge the parts "
-            "(llama-gguf-split --merge)")
+        count = int(shard[2])
+        wanted = [_SHARD.sub(f"-{i:05d}-of-{count:05d}.gguf", filename)
+                  for i in range(1, count + 1)]
     # a snapshot (not hf_hub_download) caches the repo's file list too: offline, a tag still
     # finds its file
     folder = Path(hf.snapshot_download(hub.repo_id, revision=hub.revision,
-                                       allow_patterns=[filename]))
+                                       allow_patterns=wanted))
+    for name in wanted:
+        if not (folder / name).is_file():
+            if constants.is_offline_mode():
+                raise errors.OfflineModeIsEnabled(f"{name} is not in {folder}")
+            raise ModelNotFoundError(f"Hugging Face repo {hub.repo_id} has no file {name!r}")
     path = folder / filename
-    if not path.is_file():
-        if constants.is_offline_mode():
-            raise errors.OfflineModeIsEnabled(f"{filename} is not in {folder}")
-        raise ModelNotFoundError(f"Hugging Face repo {hub.repo_id} has no file {filename!r}")
     log.info("%s: %s", hub, path)
     return path
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import huggingface_hub as hf
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
@@ -30,6 +31,24 @@ GGUFS = ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf", "tiny-Q6_K-00001-of-00002.gguf",
          "tiny-Q6_K-00002-of-00002.gguf"]
 
 
+def split_gguf(folder: Path) -> list[Path]:
+    """The tiny Llama of `make(types=Q8_0)` as llama.cpp's `llama-gguf-split` lays it out: two
+    parts, each with half the tensors and the `split.*` keys (the model's metadata read from
+    the first)."""
+    from tests.weights.test_gguf_reader import SPECS, build, write_gguf
+    spec = SPECS["llama"]
+    original, chosen = build(spec, Q.Q8_0)
+    names = list(original)
+    halves = (tuple(names[len(names) // 2:]), tuple(names[:len(names) // 2]))
+    paths = []
+    for no, skip in enumerate(halves):
+        path = folder / f"part{no}.gguf"
+        write_gguf(path, spec, original, chosen, skip=skip, meta={
+            "split.no": no, "split.count": 2, "split.tensors.count": len(names)})
+        paths.append(path)
+    return paths
+
+
 @pytest.fixture(scope="module")
 def fake_hub(tmp_path_factory):
     """One fake Hub for the module, with the four repos."""
@@ -43,9 +62,10 @@ def fake_hub(tmp_path_factory):
     ggufs = tmp_path_factory.mktemp("ggufs")
     q8, *_ = make(ggufs, types=Q.Q8_0, name="q8.gguf")
     q4, *_ = make(ggufs, types=Q.Q4_0, name="q4.gguf")
+    parts = split_gguf(ggufs)
     hub.repo("org/tiny-gguf").commit({
-        GGUFS[0]: q4.read_bytes(), GGUFS[1]: q8.read_bytes(), GGUFS[2]: b"GGUF part 1",
-        GGUFS[3]: b"GGUF part 2", "README.md": b"# ggufs"})
+        GGUFS[0]: q4.read_bytes(), GGUFS[1]: q8.read_bytes(), GGUFS[2]: parts[0].read_bytes(),
+        GGUFS[3]: parts[1].read_bytes(), "README.md": b"# ggufs"})
     hub.repo("org/gated", gated=True).commit(files)
     config = json.loads(files["config.json"]) | {"architectures": ["FooForCausalLM"],
                                                   "model_type": "foo"}
@@ -229,10 +249,25 @@ def test_quant_errors_list_the_files(fake_hub, hub_env):
     with pytest.raises(ModelNotFoundError, match=r"no GGUF file of Hugging Face repo "
                        r"org/tiny-gguf matches 'IQ2_XS'\. Files: tiny-Q4_K_M\.gguf, "):
         resolve("org/tiny-gguf:IQ2_XS")
-    with pytest.raises(CheckpointError,
-                       match="tiny-Q6_K-00001-of-00002.gguf is part of a split GGUF"):
-        resolve("org/tiny-gguf:Q6_K")
     assert not fake_hub.file_gets()  # refused before any download
+
+
+def test_split_gguf_parts_are_downloaded_and_joined(fake_hub, hub_env, tmp_path):
+    """`:Q6_K` names a split model: both parts come down and read as the one-file model."""
+    from metrale_jax.weights.gguf_reader import read_gguf
+    path, fmt = resolve("org/tiny-gguf:Q6_K")
+    assert (path.name, fmt) == (GGUFS[2], "gguf")
+    assert {p.rsplit("/", 1)[-1] for p in fake_hub.file_gets()} == set(GGUFS[2:])
+    whole, *_ = make(tmp_path, types=Q.Q8_0, name="whole.gguf")
+    config, tensors, _ = read_gguf(path)
+    want_config, want, _ = read_gguf(whole)
+    assert config == want_config and set(tensors) == set(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(tensors[name], value, err_msg=name)
+    (path.parent / GGUFS[3]).unlink()  # a part missing: named
+    with pytest.raises(CheckpointError, match="split GGUF part tiny-Q6_K-00002-of-00002.gguf "
+                       "is missing"):
+        read_gguf(path)
 
 
 # ---- errors ---------------------------------------------------------------------------------
