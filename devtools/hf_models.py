@@ -49,13 +49,9 @@ ARCH_CONFIGS: dict[str, tuple[type, type, dict]] = {
         rope_scaling={"rope_type": "longrope", "factor": 4.0,
                       "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
                       "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
-    "llama_linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
-        rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "llama_yarn": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                       "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False})),
-    "qwen2_yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
@@ -63,6 +59,12 @@ ARCH_CONFIGS: dict[str, tuple[type, type, dict]] = {
 }
 
 ROPE_VARIANTS: dict[str, tuple[type, type, dict]] = {
+    # linear (also Gemma 3's global layers in ARCH_CONFIGS) and yarn's legacy `type` key:
+    # tests/models/test_rope_scaling.py checks their tables
+    "llama_linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2_yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
     # transformers re-derives these RoPE tables from the sequence's length, which a paged
     # cache cannot (docs/architecture.md, "RoPE"): tests/models/test_rope_scaling.py compares
     # them where the two agree.
@@ -74,7 +76,7 @@ ROPE_VARIANTS: dict[str, tuple[type, type, dict]] = {
                       "short_factor": [1.0, 1.1, 1.2, 1.4, 1.7, 2.1, 2.6, 3.2],
                       "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]})),
 }
-"""Tiny models whose RoPE scaling transformers applies per sequence length."""
+"""Tiny models of RoPE variants that tests/models/test_rope_scaling.py checks (kept out of\nthe fidelity loop over `ARCH_CONFIGS`), among them those whose scaling transformers applies\nper sequence length."""
 
 
 def build_hf_model(arch: str, folder: Path, seed: int = 0,

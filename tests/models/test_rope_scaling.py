@@ -198,8 +198,7 @@ GREEDY = [("phi3", (5, 17, 45), None, 128),
           ("phi3_long", (26, 45), None, 128),
           ("phi3_long", (5, 16), {"original_max_position_embeddings": 64}, 64),
           ("llama_dynamic", (9, 30), None, 128),
-          ("llama_yarn", (5, 40), None, 128),
-          ("llama_linear", (17,), None, 128)]
+          ("llama_yarn", (5, 40), None, 128)]
 
 
 @pytest.mark.parametrize(("arch", "lengths", "overrides", "max_len"), GREEDY)
