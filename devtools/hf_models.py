@@ -76,7 +76,9 @@ ROPE_VARIANTS: dict[str, tuple[type, type, dict]] = {
                       "short_factor": [1.0, 1.1, 1.2, 1.4, 1.7, 2.1, 2.6, 3.2],
                       "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]})),
 }
-"""Tiny models of RoPE variants that tests/models/test_rope_scaling.py checks (kept out of\nthe fidelity loop over `ARCH_CONFIGS`), among them those whose scaling transformers applies\nper sequence length."""
+"""Tiny models of RoPE variants that tests/models/test_rope_scaling.py checks (kept out of
+the fidelity loop over `ARCH_CONFIGS`), among them those whose scaling transformers applies
+per sequence length."""
 
 
 def build_hf_model(arch: str, folder: Path, seed: int = 0,
