@@ -25,6 +25,7 @@ must compile the same programs in step).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -99,17 +100,28 @@ def _on_event(event: str, **_: Any) -> None:
         _compiling.hit = True
 
 
+_PERSISTENT_CACHE_LOCK = threading.RLock()
+"""Held around a compile while JAX's persistent cache is on: XLA:CPU (jaxlib 0.10.2) aborted
+the process when one thread deserialized a cached executable while another serialized a new
+one (seen in a clean-clone test run: `put_executable_and_time` beside
+`get_executable_and_time`, "Fatal Python error: Aborted")."""
+
+
 def compile_fresh(lower: Any) -> tuple[Any, bool]:
     """`lower().compile()`, and whether XLA compiled it now (False: JAX's persistent cache
     gave a deserialized executable, which `serialize` cannot write again whole: loaded, it
-    fails at run time with "Function ... not found", so the store never keeps one)."""
+    fails at run time with "Function ... not found", so the store never keeps one). With
+    JAX's persistent cache on, one compile at a time per process (`_PERSISTENT_CACHE_LOCK`)."""
     global _listening
     if not _listening:
         jax.monitoring.register_event_listener(_on_event)
         _listening = True
-    _compiling.hit = False
-    exe = lower().compile()
-    return exe, not _compiling.hit
+    guard = (_PERSISTENT_CACHE_LOCK if jax.config.jax_compilation_cache_dir
+             else contextlib.nullcontext())
+    with guard:
+        _compiling.hit = False
+        exe = lower().compile()
+        return exe, not _compiling.hit
 
 
 class ExecutableStore:
