@@ -71,6 +71,7 @@ docs: $(VENV)/.installed-test
 test:
 	$(MAKE) --no-print-directory -j2 $(VENV)/.installed-test browser
 	$(BIN)/metrale pull
+	$(BIN)/metrale pull all-minilm-l6-v2
 	$(BIN)/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(SITE)
 	@$(check_readme_links)

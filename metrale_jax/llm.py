@@ -10,6 +10,8 @@
     llm.chat(messages, params) -> Completion ; llm.stream(prompt, params) -> text deltas
     llm = LLM("path/to/nllb-200", target_lang="fra_Latn")   # a translation model
     llm.translate(texts, source_lang="eng_Latn", num_beams=4) -> list[Completion]
+    llm = LLM("all-minilm-l6-v2")             # an embedding model (or a cross-encoder)
+    llm.embed(texts) -> [N, E] ; llm.score(query, documents) -> [N]
 
 A thin front: loading lives in `metrale_jax.weights`, text in `metrale_jax.text`, and the
 compiled steps in `metrale_jax.engine`.
@@ -103,9 +105,19 @@ class LLM:
                  warmup: bool | str = False, loras: dict[str, str | Path] | None = None,
                  source_lang: str | None = None, target_lang: str | None = None,
                  allowed_media_domains: Sequence[str] | None = None,
-                 image_limits: Any = None, **engine_options: Any):
+                 image_limits: Any = None, task: str = "auto", **engine_options: Any):
+        from metrale_jax.embedding.loader import load_pooler, pooling_task
         from metrale_jax.engine.config import EngineConfig
         from metrale_jax.engine.placement import PlacementHook
+        self.pooler = None
+        self._scheduler = None
+        pooling = pooling_task(model, task)
+        if pooling is not None:  # an embedding or reranking model: embed() and score()
+            self.pooler = load_pooler(model, pooling, dtype=dtype, max_slots=max_slots,
+                                      max_len=max_len, engine_options=engine_options)
+            if warmup:
+                self.pooler.warmup()
+            return
         if loras:
             engine_options.setdefault("max_loras", max(4, len(loras)))
         self._placement = PlacementHook(EngineConfig(
@@ -141,6 +153,7 @@ class LLM:
         """The batching loop, built on first use (with every program compiled when
         `warmup=True`; otherwise programs compile as requests first need them)."""
         if self._scheduler is None:
+            self._refuse_generation()
             from metrale_jax.engine import Engine
             from metrale_jax.scheduler import Scheduler
             ckpt = self.checkpoint
@@ -167,9 +180,56 @@ class LLM:
         reports ready); returns the seconds it took. Later requests compile nothing."""
         return self.scheduler.engine.warmup()
 
+    def _refuse_generation(self) -> None:
+        if self.pooler is not None:
+            raise InvalidParameterError(
+                "this is an embedding or reranking model: use embed() and score(); it "
+                "generates no text", param="model")
+
+    def _require_pooler(self, task: str | None = None) -> Any:
+        if self.pooler is None:
+            raise InvalidParameterError(
+                f"model {self.checkpoint.name!r} generates text; it is not an embedding or "
+                "reranking model (load one, or a decoder with task='embed' / 'score')",
+                param="model")
+        if task is not None and self.pooler.info.task != task:
+            raise InvalidParameterError("this model scores text pairs (score()); it makes "
+                                        "no embeddings", param="model")
+        return self.pooler
+
+    def embed(self, texts: str | Sequence[str | Sequence[int]],
+              dimensions: int | None = None) -> np.ndarray:
+        """Embeddings `[N, E] float32` of texts (or token-id lists), pooled and normalized
+        as the model's files say; one text gives `[1, E]`. `dimensions`: keep the first ones
+        (a Matryoshka model's), re-normalized. Inputs longer than the model's limit raise
+        `ContextLengthError` naming their index."""
+        from metrale_jax.embedding.pooler import shortened
+        from metrale_jax.errors import ContextLengthError
+        pooler = self._require_pooler("embed")
+        items = [texts] if isinstance(texts, str) else list(texts)
+        ids = [pooler.encode_text(t) if isinstance(t, str) else [int(x) for x in t]
+               for t in items]
+        limit = pooler.info.max_input_tokens
+        for i, x in enumerate(ids):
+            if not x or len(x) > limit:
+                raise ContextLengthError(f"input {i} has {len(x)} tokens; this model embeds "
+                                         f"1 to {limit}", param="texts")
+        return shortened(np.asarray(pooler.embed_ids(ids), np.float32), dimensions,
+                         pooler.info)
+
+    def score(self, query: str, documents: str | Sequence[str],
+              truncate: bool = False) -> np.ndarray:
+        """Relevance `[N] float32` of each document to `query`: a cross-encoder's or a
+        decoder reranker's score, or an embedding model's cosine similarity."""
+        docs = [documents] if isinstance(documents, str) else list(documents)
+        scores, _ = self._require_pooler().score_texts(query, docs, truncate)
+        return np.asarray(scores, np.float32)
+
     def close(self) -> None:
         """Stops the batching loop thread, if one was started (at interpreter exit, every
         open `LLM` is closed without this call)."""
+        if self.pooler is not None:
+            self.pooler.close()
         if self._scheduler is not None:
             _RUNNING.discard(self._scheduler)
             self._scheduler.stop()
@@ -191,6 +251,7 @@ class LLM:
     def _submit(self, prompt_ids: list[int], params, source: Sequence[int] = (),
                 images: Sequence[Any] = ()):
         from metrale_jax.scheduler import GenerationRequest
+        self._refuse_generation()
         if self.config.is_encoder_decoder and not source:
             raise InvalidParameterError(
                 f"model {self.checkpoint.name!r} is a translation model: use translate()",

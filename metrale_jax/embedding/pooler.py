@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from metrale_jax.errors import InvalidParameterError
+
 Task = Literal["embed", "score"]
 Kind = Literal["encoder", "cross-encoder", "decoder-embedding", "decoder-reranker"]
 
@@ -91,3 +93,22 @@ def cosine_scores(query: np.ndarray, documents: np.ndarray) -> np.ndarray:
     q = query / max(float(np.linalg.norm(query)), 1e-12)
     d = documents / np.maximum(np.linalg.norm(documents, axis=1, keepdims=True), 1e-12)
     return (d @ q).astype(np.float32)
+
+
+def shortened(vectors: np.ndarray, dimensions: int | None, info: Any) -> np.ndarray:
+    """`vectors` `[N, E]` cut to `dimensions` (Matryoshka) and re-normalized when the model
+    normalizes; 400 for a model not trained for it or a size above E."""
+    if dimensions is None or dimensions == vectors.shape[1]:
+        return vectors
+    size = vectors.shape[1]
+    if dimensions > size:
+        raise InvalidParameterError(f"dimensions={dimensions}: this model's embeddings have "
+                                    f"{size} dimensions", param="dimensions")
+    if not info.matryoshka:
+        raise InvalidParameterError(
+            f"dimensions={dimensions}: this model was not trained for shortened (Matryoshka) "
+            f"embeddings; its embeddings have {size} dimensions", param="dimensions")
+    out = vectors[:, :dimensions]
+    if info.normalize:
+        out = out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return out.astype(np.float32)

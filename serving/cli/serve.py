@@ -248,7 +248,7 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         source_lang=args.source_lang, target_lang=args.target_lang,
         allowed_media_domains=args.allowed_media_domains,
         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-        media_fetch_timeout=args.media_fetch_timeout, warmup=args.warmup)
+        media_fetch_timeout=args.media_fetch_timeout, warmup=args.warmup, task=args.task)
     return settings
 
 
@@ -378,6 +378,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="serve (default): compile the few programs that serve any request, "
                           "answer /health, and compile the rest in the background; full: "
                           "compile every program before /health; none: compile on first use")
+    srv.add_argument("--task", choices=["auto", "generate", "embed", "score"], default="auto",
+                     help="auto (default): from the model's files (an embedding or "
+                          "cross-encoder folder serves /v1/embeddings, /v1/rerank and "
+                          "/v1/score); generate: chat and completions; embed: a decoder model "
+                          "as an embedding model (last-token pooling); score: a decoder "
+                          "model as a yes/no reranker (as Qwen3-Reranker)")
     _media_flags(srv)
     add_language_flags(srv)
     add_logprobs_mode_flag(srv)

@@ -61,7 +61,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
                        request_id: str) -> Prepared:
     """Validates a chat request against the model, renders and tokenizes it (a
     vision-language model's images are loaded in a worker thread), submits it."""
-    rt = state.require_ready()
+    rt = state.require_generator()
     lora = state.check_model(req.model, req.lora)
     if rt.vision is None:
         vision.refuse_images(req, state.settings.model_name)
@@ -109,7 +109,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
 def prepare_completion(state: ServerState, req: CompletionRequest,
                        request_id: str) -> Prepared:
     """Validates a completion request, tokenizes its prompts, submits every choice."""
-    rt = state.require_ready()
+    rt = state.require_generator()
     lora = state.check_model(req.model, req.lora)
     if rt.is_translation:
         translation.check_completion_request(req)

@@ -36,6 +36,9 @@ class _SchedulerCollector(Collector):
         used = sum(1 for s in snap["slots"] if s is not None)
         total = len(snap["slots"]) or getattr(runtime.settings, "max_slots", 0)
         compiles = scheduler.engine.compile_count if scheduler is not None else 0
+        pooler = getattr(runtime, "pooler", None)
+        if pooler is not None:  # an embedding model's own programs (or its engine's)
+            compiles = pooler.compile_count
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(PREFIX + name, doc, value=value)

@@ -49,6 +49,7 @@ class ModelRuntime:
         self.error: BaseException | None = None
         self.checkpoint: Any = None
         self.scheduler: Any = None
+        self.pooler: Any = None  # an embedding or reranking model's `embedding.Pooler`
         self.engine_config: Any = None  # the engine's resolved EngineConfig, once built
         self.loras: dict[str, Any] = {}  # the LoRA adapters read at start-up, by name
         self.lora_paths: dict[str, str] = dict(settings.loras)  # those served now
@@ -99,6 +100,8 @@ class ModelRuntime:
         try:
             self.state = "loading"
             log.info("loading %s", s.model)
+            if self._load_pooler():
+                return
             # The mesh and memory plan are decided before any weight is read (see
             # engine/placement.py); an impossible configuration fails here.
             hook = PlacementHook(EngineConfig(max_slots=s.max_slots, max_len=s.max_len,
@@ -148,6 +151,38 @@ class ModelRuntime:
             self.state = "failed"
         finally:
             self._loaded.set()
+
+    def _load_pooler(self) -> bool:
+        """Loads the model as a pooling model (embeddings or scores) when its files or the
+        settings' `task` say it is one, and warms it up; False for a model that generates."""
+        from metrale_jax.embedding.loader import load_pooler, pooling_task
+        s = self.settings
+        task = pooling_task(s.model, s.task)
+        if task is None:
+            return False
+        for unsupported, flag in ((s.num_processes > 1, "multi-host serving"),
+                                  (bool(s.loras), "--lora"),
+                                  (s.source_lang or s.target_lang, "--source/target-lang")):
+            if unsupported:
+                from metrale_jax.errors import InvalidParameterError
+                raise InvalidParameterError(f"{flag} is not available for an embedding or "
+                                            "reranking model", param="task")
+        with stage(self.progress, LOADING):
+            pooler = load_pooler(s.model, task, dtype=s.dtype, max_slots=s.max_slots,
+                                 max_len=s.max_len, engine_options=s.engine_options)
+        self.pooler = pooler
+        self.scheduler = getattr(pooler, "scheduler", None)  # a decoder pooler's: its stats
+        if self.scheduler is not None:
+            self.engine_config = self.scheduler.engine.config
+        self.state = "warming_up"
+        if s.warmup_mode != "none":
+            with stage(self.progress, COMPILING):
+                pooler.warmup()
+        if self.state == "warming_up":
+            self.state = "ready"
+        log.info("ready: %s (%s, %s; %d programs compiled)", s.model_name, pooler.info.kind,
+                 pooler.info.task, pooler.compile_count)
+        return True
 
     def _vision_setup(self, ckpt: Any, max_images: int) -> None:
         """The image limits of the settings and, for a vision-language model, its image
@@ -256,7 +291,9 @@ class ModelRuntime:
         """Stops the scheduler: every in-flight request ends with Cancelled("shutdown")."""
         if self.state != "failed":
             self.state = "stopped"
-        if self.scheduler is not None:
+        if self.pooler is not None:
+            self.pooler.close()
+        elif self.scheduler is not None:
             self.scheduler.stop()
         if self._channel is not None:  # multi-host: the others stop too (or see us go)
             self._channel.close()
@@ -267,11 +304,16 @@ class ModelRuntime:
     @property
     def tokenizer(self) -> Any:
         """The model's tokenizer."""
+        if self.pooler is not None:
+            return self.pooler.tokenizer
         return self.checkpoint.tokenizer
 
     @property
     def max_len(self) -> int:
-        """The context length S (the memory plan's choice when the settings leave it None)."""
+        """The context length S (the memory plan's choice when the settings leave it None);
+        a pooling model's longest input."""
+        if self.pooler is not None:
+            return self.pooler.info.max_input_tokens
         if self.engine_config is not None:
             return self.engine_config.max_len
         return self.settings.max_len or 0
@@ -321,6 +363,12 @@ class ModelRuntime:
         if self.checkpoint is not None and self.checkpoint.sampling_defaults:
             # the request defaults from generation_config.json (a request's fields win)
             card["sampling_defaults"] = self.checkpoint.sampling_defaults
+        if self.pooler is not None:
+            info = self.pooler.info
+            card["task"] = "embedding" if info.task == "embed" else "score"
+            card["pooling"] = {"kind": info.kind, "dimensions": info.dimensions,
+                               "pooling": info.pooling, "normalize": info.normalize,
+                               "matryoshka": info.matryoshka}
         if self.vision is not None and self.image_limits is not None:
             card["max_images"] = self.image_limits.max_images  # per request
         if self.is_translation:

@@ -67,6 +67,10 @@ class ServerSettings:
     media_fetch_timeout: seconds a remote image's download may take (per connect and read,
         and in all). The images per request: the engine's `max_images` (`engine_options`).
         See `metrale_jax.vision.media.ImageLimits`.
+    task: what the model is served for: "generate" (chat and completions), "embed"
+        (/v1/embeddings; rerank by cosine), "score" (/v1/rerank and /v1/score from a
+        cross-encoder or a decoder reranker), or "auto" (the default: from the model's files,
+        `metrale_jax.embedding.loader.pooling_task`).
     """
 
     model: str = "default"
@@ -104,6 +108,7 @@ class ServerSettings:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
     media_fetch_timeout: float = 10.0
+    task: str = "auto"
 
     @property
     def warmup_mode(self) -> str:

@@ -83,6 +83,19 @@ class ServerState:
                                    code="not_ready", retry_after=5)
         return rt
 
+    def require_generator(self) -> ModelRuntime:
+        """The runtime of a model that generates text (`require_ready`), or a 400 naming
+        what a pooling (embedding or reranking) model serves instead."""
+        rt = self.require_ready()
+        if rt.pooler is not None:
+            from metrale_jax.errors import InvalidParameterError
+            what = ("embeddings (/v1/embeddings, /v1/rerank, /v1/score)"
+                    if rt.pooler.info.task == "embed" else "pair scores (/v1/rerank, /v1/score)")
+            raise InvalidParameterError(
+                f"the model {self.settings.model_name!r} is an embedding or reranking model: "
+                f"it serves {what} and generates no text", param="model")
+        return rt
+
     def check_model(self, model: str | None, lora: list[Any] | None = None
                     ) -> str | dict[str, float] | None:
         """404 `model_not_found` unless `model` is the served model's name, one of its LoRA

@@ -89,6 +89,8 @@ def stats_body(state: Any) -> dict[str, Any]:
     else:
         slots, waiting, counters, compiles = [], 0, {}, 0
         compiling = {"done": 0, "total": 0, "complete": False, "seconds": 0.0}
+    if getattr(rt, "pooler", None) is not None:  # an embedding model's own programs
+        compiles = rt.pooler.compile_count
     running = _running(slots)
     tenants = state.access.tenants()
     if tenants is not None:

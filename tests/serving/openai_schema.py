@@ -21,7 +21,8 @@ import jsonschema
 import yaml
 
 NAMES = ("CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
-         "CreateCompletionResponse", "ListModelsResponse", "Model", "ErrorResponse")
+         "CreateCompletionResponse", "ListModelsResponse", "Model", "ErrorResponse",
+         "CreateEmbeddingResponse")
 
 
 def _nullable(node: Any) -> Any:

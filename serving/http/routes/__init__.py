@@ -1,8 +1,9 @@
 """The API's routes, one module per API group, each with a `register(app, state)`: `openai`
 (chat/completions, completions, models), `tokenize` (/tokenize, /detokenize), `admin`
 (/health, /metrics, /v1/metrale/stats), `lora` (vLLM's runtime adapter loading),
-`openai_responses` (OpenAI's Responses API), `anthropic` (Anthropic's Messages API), `webui`
-(the web chat page). A new API is a new module here, added to `GROUPS`.
+`openai_responses` (OpenAI's Responses API), `anthropic` (Anthropic's Messages API), `pooling`
+(embeddings, rerank and score), `webui` (the web chat page). A new API is a new module here,
+added to `GROUPS`.
 Routes may import the rest of serving.http, never app.py (which imports them).
 """
 
@@ -16,12 +17,13 @@ from serving.http.routes import (
     lora,
     openai,
     openai_responses,
+    pooling,
     tokenize,
     webui,
 )
 from serving.http.state import ServerState
 
-GROUPS = (openai, tokenize, admin, lora, openai_responses, anthropic, webui)
+GROUPS = (openai, tokenize, admin, lora, openai_responses, anthropic, pooling, webui)
 
 
 def register_all(app: Quart, state: ServerState) -> None:

