@@ -95,10 +95,12 @@ class EncoderPooler(Pooler):
     def encode_pair(self, query: str, document: str,
                     truncate: bool = False) -> tuple[list[int], list[int]]:
         """A (query, document) pair's ids and token types as the model reads them; cut
-        longest-first to `max_input_tokens` when `truncate`."""
+        longest-first to `max_input_tokens` when `truncate` (types all 0 where the tokenizer
+        passes none: `EncoderSetup.token_types`)."""
         backend = self._truncating if truncate else self._backend
         enc = backend.encode(self._text(query), self._text(document))
-        return enc.ids, enc.type_ids
+        types = enc.type_ids if self.setup.token_types else [0] * len(enc.ids)
+        return enc.ids, types
 
     # ---- Pooler ----------------------------------------------------------------------------
 

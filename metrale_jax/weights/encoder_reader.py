@@ -53,7 +53,9 @@ NAME_PREFIXES = ("bert.", "roberta.", "model.")
 class EncoderSetup:
     """How an encoder folder is served: the HF files' folder, the model config, the pooling
     modes (empty for a cross-encoder), normalize, the input limit in tokens (special tokens
-    included), lowercasing, matryoshka."""
+    included), lowercasing, matryoshka, and whether the tokenizer hands the model token types
+    (`token_types`: False when `tokenizer_config.json`'s `model_input_names` leaves them
+    out, as transformers then passes none: every type 0)."""
 
     model_folder: Path
     config: BertConfig
@@ -62,6 +64,7 @@ class EncoderSetup:
     max_tokens: int
     lowercase: bool = False
     matryoshka: bool = False
+    token_types: bool = True
 
     @property
     def cross_encoder(self) -> bool:
@@ -201,16 +204,20 @@ def read_encoder_setup(path: Path | str) -> EncoderSetup:
         raw = _json(st_config)
         limit = raw.get("max_seq_length")
         lowercase = bool(raw.get("do_lower_case", False))
+    tok_config = model_folder / "tokenizer_config.json"
+    tok_raw = _json(tok_config) if tok_config.is_file() else {}
+    input_names = tok_raw.get("model_input_names")
+    token_types = not isinstance(input_names, list) or "token_type_ids" in input_names
     if limit is None:
-        tok_config = model_folder / "tokenizer_config.json"
-        tok_max = _json(tok_config).get("model_max_length") if tok_config.is_file() else None
+        tok_max = tok_raw.get("model_max_length")
         limit = cfg.max_position_embeddings
         if isinstance(tok_max, int | float) and tok_max < 1e9:
             limit = min(limit, int(tok_max))
     limit = min(int(limit), cfg.max_tokens)
     matryoshka = _matryoshka(folder / "config_sentence_transformers.json",
                              model_folder / "config.json")
-    return EncoderSetup(model_folder, cfg, pooling, normalize, limit, lowercase, matryoshka)
+    return EncoderSetup(model_folder, cfg, pooling, normalize, limit, lowercase, matryoshka,
+                        token_types)
 
 
 def _linear(w: np.ndarray) -> np.ndarray:
