@@ -4,7 +4,8 @@ encoder pooler's tests.
 - `build_bert_embedder(folder, pooling, normalize)`: a `BertModel` wrapped in a
   sentence-transformers folder (`modules.json`, `1_Pooling/config.json`, Normalize,
   `sentence_bert_config.json` with `max_seq_length`), saved by `SentenceTransformer.save`.
-- `build_xlm_roberta(folder)`: a bare `XLMRobertaModel` folder (no modules.json).
+- `build_xlm_roberta(folder)`: a bare `XLMRobertaModel` folder (no modules.json), or an
+  `XLMRobertaForSequenceClassification` cross-encoder.
 - `build_bert_cross_encoder(folder)`: a `BertForSequenceClassification` with one label.
 Each has a small word-piece `tokenizer.json` (BERT's or RoBERTa's post-processor) and
 weights drawn large enough that different texts get clearly different vectors. float32.
@@ -105,14 +106,17 @@ def build_bert_embedder(folder: Path | str, pooling: str = "mean", normalize: bo
     return folder / "st"
 
 
-def build_xlm_roberta(folder: Path | str, max_length: int = 40, seed: int = 1) -> Path:
+def build_xlm_roberta(folder: Path | str, max_length: int = 40, seed: int = 1,
+                      classifier: bool = False) -> Path:
     """A bare `XLMRobertaModel` folder (position table 66, pad id 1, one token type; inputs of
-    up to `max_length` tokens by its tokenizer)."""
+    up to `max_length` tokens by its tokenizer); with `classifier`, an
+    `XLMRobertaForSequenceClassification` with one label instead (a cross-encoder)."""
     folder = Path(folder)
     config = transformers.XLMRobertaConfig(**SIZE, max_position_embeddings=66,
                                            type_vocab_size=1, pad_token_id=1, bos_token_id=0,
-                                           eos_token_id=2)
-    model = transformers.XLMRobertaModel(config, add_pooling_layer=False)
+                                           eos_token_id=2, num_labels=1)
+    model = (transformers.XLMRobertaForSequenceClassification(config) if classifier
+             else transformers.XLMRobertaModel(config, add_pooling_layer=False))
     _randomize(model, seed)
     _save_hf(model, _tokenizer(True, max_length), folder)
     return folder

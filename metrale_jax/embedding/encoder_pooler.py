@@ -84,13 +84,14 @@ class EncoderPooler(Pooler):
         return text.lower() if self.setup.lowercase else text
 
     def encode_text(self, text: str) -> list[int]:
-        """`text`'s ids with the special tokens, untruncated."""
-        return self.tokenizer.encode(self._text(text))
+        """`text`'s ids (after the model's default prompt, if any) with the special tokens,
+        untruncated."""
+        return self.tokenizer.encode(self._text(self.setup.prompt + text))
 
     def encode_text_truncated(self, text: str) -> list[int]:
-        """`text`'s ids with the special tokens, cut to `max_input_tokens` as
-        sentence-transformers cuts (the special tokens kept)."""
-        return self._truncating.encode(self._text(text)).ids
+        """`encode_text`, cut to `max_input_tokens` as sentence-transformers cuts (the
+        special tokens kept)."""
+        return self._truncating.encode(self._text(self.setup.prompt + text)).ids
 
     def encode_pair(self, query: str, document: str,
                     truncate: bool = False) -> tuple[list[int], list[int]]:

@@ -9,7 +9,8 @@ sentence-transformers' files read:
   `_mean_sqrt_len_tokens`, `_lasttoken` (several: concatenated in sentence-transformers'
   order); `include_prompt` is ignored.
 - `sentence_bert_config.json`: `max_seq_length` (the input limit) and `do_lower_case`.
-- `config_sentence_transformers.json` (and `config.json`): `matryoshka_dimensions`.
+- `config_sentence_transformers.json` (and `config.json`): `matryoshka_dimensions`; its
+  `default_prompt_name` prompt goes before every text.
 Without `modules.json` a `*Model` folder is mean-pooled and not normalized (what
 `SentenceTransformer(folder)` builds for a bare encoder), and its limit is the tokenizer's
 `model_max_length` capped by `max_position_embeddings` (as sentence-transformers caps it),
@@ -55,7 +56,9 @@ class EncoderSetup:
     modes (empty for a cross-encoder), normalize, the input limit in tokens (special tokens
     included), lowercasing, matryoshka, and whether the tokenizer hands the model token types
     (`token_types`: False when `tokenizer_config.json`'s `model_input_names` leaves them
-    out, as transformers then passes none: every type 0)."""
+    out, as transformers then passes none: every type 0); prompt: the text put before every
+    input text (`config_sentence_transformers.json`'s `default_prompt_name`, as `encode`
+    does when given no prompt)."""
 
     model_folder: Path
     config: BertConfig
@@ -65,6 +68,7 @@ class EncoderSetup:
     lowercase: bool = False
     matryoshka: bool = False
     token_types: bool = True
+    prompt: str = ""
 
     @property
     def cross_encoder(self) -> bool:
@@ -172,6 +176,14 @@ def _pooling(folder: Path) -> tuple[tuple[str, ...], bool, Path | None]:
     return pooling, normalize, st_folder
 
 
+def _default_prompt(path: Path) -> str:
+    if not path.is_file():
+        return ""
+    raw = _json(path)
+    name = raw.get("default_prompt_name")
+    return str((raw.get("prompts") or {}).get(name, "")) if name else ""
+
+
 def _matryoshka(*configs: Path) -> bool:
     for path in configs:
         if path.is_file():
@@ -216,8 +228,9 @@ def read_encoder_setup(path: Path | str) -> EncoderSetup:
     limit = min(int(limit), cfg.max_tokens)
     matryoshka = _matryoshka(folder / "config_sentence_transformers.json",
                              model_folder / "config.json")
+    prompt = "" if cfg.num_labels else _default_prompt(folder / "config_sentence_transformers.json")
     return EncoderSetup(model_folder, cfg, pooling, normalize, limit, lowercase, matryoshka,
-                        token_types)
+                        token_types, prompt)
 
 
 def _linear(w: np.ndarray) -> np.ndarray:

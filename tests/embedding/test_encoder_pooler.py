@@ -181,6 +181,20 @@ def test_cross_encoder_scores_match_cross_encoder_predict(cross_folder):
     assert tokens > len(TEXTS) * 3
 
 
+def test_xlm_roberta_cross_encoder_scores_match_cross_encoder_predict(folders):
+    from sentence_transformers import CrossEncoder
+    folder = build_xlm_roberta(folders / "xlmr_cross", classifier=True)
+    pooler = load_encoder_pooler(folder, **GRID)
+    try:
+        ids, types = pooler.encode_pair("a query", "a document")
+        assert ids[:4] == [0, 16, 138, 2] and ids[4:6] == [2, 16] and set(types) == {0}
+        scores, _ = pooler.score_texts(QUERY, TEXTS)
+    finally:
+        pooler.close()
+    want = CrossEncoder(str(folder), device="cpu").predict([(QUERY, d) for d in TEXTS])
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+
+
 def test_compile_count_stays_flat_after_warmup(bert_folder):
     pooler = load_encoder_pooler(bert_folder, **GRID)
     try:
@@ -213,3 +227,7 @@ def test_reader_recognizes_folders_and_matryoshka(bert_folder, cross_folder, tmp
     raw = json.loads(path.read_text())
     path.write_text(json.dumps({**raw, "matryoshka_dimensions": [32, 16]}))
     assert read_encoder_setup(copy).matryoshka is True
+    assert read_encoder_setup(copy).prompt == ""
+    path.write_text(json.dumps({**raw, "default_prompt_name": "query",
+                                "prompts": {"query": "query: ", "document": ""}}))
+    assert read_encoder_setup(copy).prompt == "query: "
