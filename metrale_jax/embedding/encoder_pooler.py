@@ -112,6 +112,12 @@ class EncoderPooler(Pooler):
             raise InvalidParameterError("this model is a cross-encoder: it scores pairs and "
                                         "serves no embeddings", param="model")
         check_lengths([len(ids) for ids in inputs], self.info.max_input_tokens)
+        vocab = self.setup.config.vocab_size
+        for i, ids in enumerate(inputs):
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidParameterError(
+                    f"input {i} has a token id outside this model's vocabulary (0 .. "
+                    f"{vocab - 1})", param="input")
         return self.runner.run([(list(ids), None) for ids in inputs])
 
     def score_texts(self, query: str, documents: Sequence[str],

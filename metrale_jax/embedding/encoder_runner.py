@@ -169,6 +169,7 @@ class EncoderRunner:
     def _run_jobs(self, jobs: list[_Job]) -> None:
         flat = [item for j in jobs for item in j.inputs]
         out = np.zeros((len(flat), self.out_dim), np.float32)
+        pending = []  # dispatched batches: the host fills the next while the device runs
         for R, S, indices in self.grid.plan([len(ids) for ids, _ in flat]):
             ids = np.zeros((R, S), np.int32)
             types = np.zeros((R, S), np.int32)
@@ -180,8 +181,9 @@ class EncoderRunner:
                 if token_types is not None:
                     types[row, :n] = token_types
                 lens[row] = n
-            result = np.asarray(self.program(R, S)(self._state, ids, types, lens))
-            out[indices] = result[:len(indices)]
+            pending.append((indices, self.program(R, S)(self._state, ids, types, lens)))
+        for indices, result in pending:
+            out[indices] = np.asarray(result)[:len(indices)]
         at = 0
         for j in jobs:
             j.result = out[at:at + len(j.inputs)]

@@ -20,7 +20,7 @@ from devtools.encoder_models import (
     build_xlm_roberta,
 )
 from metrale_jax.embedding.encoder_pooler import is_encoder_folder, load_encoder_pooler
-from metrale_jax.errors import ContextLengthError
+from metrale_jax.errors import ContextLengthError, InvalidParameterError
 from metrale_jax.weights.encoder_reader import read_encoder_setup
 
 GRID = dict(max_rows=4, token_budget=64, min_length=16)
@@ -119,6 +119,10 @@ def test_inputs_at_the_limit_work_and_one_over_is_refused(bert_pooler, bert_st):
         bert_pooler.embed_ids([ids, ids, bert_pooler.encode_text(over)])
     with pytest.raises(ContextLengthError, match="input 1 has 33 tokens"):
         bert_pooler.score_texts(QUERY, ["a dog", over])
+    with pytest.raises(InvalidParameterError, match="input 1 has a token id outside"):
+        bert_pooler.embed_ids([ids, [2, 256, 3]])
+    with pytest.raises(InvalidParameterError, match="input 0 is empty"):
+        bert_pooler.embed_ids([[]])
 
 
 def test_embedding_scores_are_cosines_and_truncate_as_sentence_transformers(bert_pooler,
