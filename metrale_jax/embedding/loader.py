@@ -23,18 +23,23 @@ from metrale_jax.weights.checkpoint import resolve
 TASKS = ("auto", "generate", "embed", "score")
 """The values of `--task`."""
 
+ENCODER_MAX_ROWS = 64
+"""The most inputs one encoder program runs, by default."""
+
+ENCODER_TOKEN_BUDGET = 8192
+"""The most R * S tokens of one encoder program, by default."""
+
 
 def pooling_task(model: str | Path, task: str = "auto") -> Task | None:
     """The pooling task model `model` is served for ("embed" | "score"), or None when it
     generates text. Raises `InvalidParameterError` for a task the model cannot do."""
-    from metrale_jax.embedding.decoder_pooler import decoder_pooling_task
-    from metrale_jax.weights.encoder_reader import encoder_task, is_encoder_folder
+    from metrale_jax.weights.encoder_reader import is_encoder_folder, read_encoder_setup
     if task not in TASKS:
         raise InvalidParameterError(f"task {task!r} is not one of {', '.join(TASKS)}",
                                     param="task")
     path, fmt = resolve(model)
     if fmt == "hf" and is_encoder_folder(path):
-        own = encoder_task(path)
+        own: Task = "score" if read_encoder_setup(path).cross_encoder else "embed"
         if task == "generate":
             raise InvalidParameterError(
                 f"{path} is an encoder ({'cross-encoder' if own == 'score' else 'embedding'} "
@@ -48,7 +53,10 @@ def pooling_task(model: str | Path, task: str = "auto") -> Task | None:
         return None
     if task in ("embed", "score"):
         return task  # type: ignore[return-value]
-    return decoder_pooling_task(path) if fmt == "hf" else None
+    if fmt != "hf":
+        return None
+    from metrale_jax.embedding.decoder_pooler import decoder_pooling_task
+    return decoder_pooling_task(path)
 
 
 def load_pooler(model: str | Path, task: Task, *, dtype: str | None = None,
@@ -56,12 +64,24 @@ def load_pooler(model: str | Path, task: Task, *, dtype: str | None = None,
                 engine_options: dict[str, Any] | None = None) -> Pooler:
     """Loads `model` as the `Pooler` of `task` (what `pooling_task` said): an encoder's own
     bucketed programs, or a decoder through an engine and scheduler of `max_slots` rows,
-    `max_len` positions and `engine_options`."""
-    from metrale_jax.embedding.decoder_pooler import load_decoder_pooler
-    from metrale_jax.embedding.encoder_pooler import load_encoder_pooler
+    `max_len` positions and `engine_options`.
+
+    An encoder's grid: `engine_options` "max_rows" (the most inputs one program runs,
+    default `ENCODER_MAX_ROWS`) and "token_budget" (the most R * S tokens of one program,
+    default `ENCODER_TOKEN_BUDGET`); `max_len` caps its length buckets below the model's
+    limit. Its other engine options are ignored (an encoder has no KV cache)."""
+    from metrale_jax.engine.config import EngineConfig
     from metrale_jax.weights.encoder_reader import is_encoder_folder
+    options = dict(engine_options or {})
     path, fmt = resolve(model)
     if fmt == "hf" and is_encoder_folder(path):
-        return load_encoder_pooler(path, dtype=dtype or "float32")
+        from metrale_jax.embedding.encoder_pooler import load_encoder_pooler
+        return load_encoder_pooler(
+            path, dtype=dtype or "float32",
+            max_rows=int(options.get("max_rows", ENCODER_MAX_ROWS)),
+            token_budget=int(options.get("token_budget", ENCODER_TOKEN_BUDGET)),
+            compilation_cache_dir=options.get("compilation_cache_dir",
+                                              EngineConfig().compilation_cache_dir))
+    from metrale_jax.embedding.decoder_pooler import load_decoder_pooler
     return load_decoder_pooler(path, task, dtype=dtype, max_slots=max_slots, max_len=max_len,
-                               **(engine_options or {}))
+                               **options)

@@ -84,7 +84,7 @@ def truncate_limit(value: int | None, limit: int) -> int | None:
 
 
 def cut(ids: list[int], length: int, special: set[int]) -> list[int]:
-    """`ids` cut to `length` tokens keeping the end: a closing special token ([SEP], </s>,
+    """`ids` cut to `length` tokens; a closing special token of `special` ([SEP], </s>,
     <|endoftext|>) stays last, as a tokenizer's own truncation keeps it."""
     if len(ids) <= length:
         return ids
@@ -98,8 +98,7 @@ def embedding_inputs(pooler: Any, req: EmbeddingRequest) -> list[list[int]]:
     tok, info = pooler.tokenizer, pooler.info
     limit = info.max_input_tokens
     length = truncate_limit(req.truncate_prompt_tokens, limit)
-    special = set(getattr(tok, "all_special_ids", ()) or ())
-    special.update(getattr(tok, "eos_token_ids", ()) or ())
+    closing = pooler.encode_text("")[-1:]  # [SEP], </s>, <|endoftext|>: kept when cutting
     out = []
     vocab = tok.vocab_size
     for i, item in enumerate(req.inputs()):
@@ -111,7 +110,7 @@ def embedding_inputs(pooler: Any, req: EmbeddingRequest) -> list[list[int]]:
                 raise InvalidParameterError(f"input[{i}] holds a token id ≥ the vocabulary "
                                             f"size {vocab}", param="input")
         if length is not None:
-            ids = cut(ids, length, special)
+            ids = cut(ids, length, set(closing) if isinstance(item, str) else set())
         elif len(ids) > limit:
             raise ContextLengthError(
                 f"input[{i}] has {len(ids)} tokens, but this model embeds at most {limit}; "
