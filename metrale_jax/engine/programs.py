@@ -31,6 +31,7 @@ is complete they choose the exact buckets.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -264,7 +265,8 @@ class StepPrograms:
             return exe  # every step asks: skip building the jit and specs (~1 ms of host time)
         cfg, i32 = self.config, jnp.int32
         B = cfg.max_slots
-        shape = steps.StepShape(n, chunk, self.finish_rows(chunk), k)
+        shape = steps.StepShape(n, chunk, self.finish_rows(chunk), k,
+                                pooled=bool(chunk) and cfg.pooled_output)
         fn = jax.jit(functools.partial(steps.ragged_step, self.graph, self.sample_config, shape),
                      donate_argnums=(1,),
                      out_shardings=(self.shardings.state, self.shardings.replicated))
@@ -307,7 +309,9 @@ class StepPrograms:
             self.router_stats.add(counts)
         if not chunk:  # a decode step draws inside (steps.decode_steps)
             return state, out
-        return self.sample(n, self.finish_rows(chunk))(state, out)
+        pooled, out = out.pooled, dataclasses.replace(out, pooled=None)
+        state, out = self.sample(n, self.finish_rows(chunk))(state, out)
+        return state, out if pooled is None else dataclasses.replace(out, pooled=pooled)
 
     def finish_rows(self, chunk: int) -> int:
         """R, the prompts that may end in a step with a chunk of `chunk` tokens."""

@@ -71,12 +71,16 @@ class StepOutput:
     For a ragged step C = B + R: column b < B is decode row b's token at each of the k steps,
     column B + r (first step only) the first token of the r-th prompt finished in the step.
     For `Engine.add`, k = 1 and column `i` is the i-th added item (not its slot).
+    pooled: [R, E] float32 with `EngineConfig.pooled_output`, row r the final-normed hidden
+    state of the r-th prompt finished in the step at its last token (the model's
+    `last_hidden_state` there); None otherwise (and for decode-only steps).
     """
 
     tokens: jax.Array
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    pooled: jax.Array | None = None
 
     def copy_to_host_async(self) -> None:
         """Starts copying every array to the host without waiting."""

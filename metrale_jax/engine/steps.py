@@ -22,6 +22,7 @@ from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
 from metrale_jax.models import seq2seq_ragged
 from metrale_jax.models.kv_quant import is_quantized, stored_head_dim
+from metrale_jax.models.layers import rms_norm
 from metrale_jax.models.paged_attention import use_tpu_kernel
 from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
 from metrale_jax.models.ragged import head as decoder_head
@@ -58,13 +59,16 @@ class StepShape:
 
     n: decode rows computed (rows 0 .. n-1); chunk: C prefill tokens (0 = decode only);
     finish: R prompts whose first token the step may sample (0 when chunk is 0);
-    decode_steps: k decode steps in the call (k > 1 only without a chunk).
+    decode_steps: k decode steps in the call (k > 1 only without a chunk); pooled: a step
+    with a chunk also returns its finishing prompts' final-normed last hidden states
+    (`EngineConfig.pooled_output`, `SampleInputs.pooled`).
     """
 
     n: int
     chunk: int
     finish: int
     decode_steps: int
+    pooled: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -112,6 +116,9 @@ class SampleInputs:
     [M] bool, whether the token becomes the row's next input (a decoding row, a prompt that
     ended); lengths: [M] int32, the valid positions of each row's token history; steps: [M]
     int32, the step index folded into each row's key; allowed: [M, W] uint32 grammar masks.
+    pooled: [R, E] float32, the final-normed hidden state of each finishing prompt's last
+    token (`StepShape.pooled`; None otherwise): not an input of the sampling program
+    (`StepPrograms.run` moves it to the step's `StepOutput`).
     """
 
     logits: jax.Array
@@ -120,6 +127,7 @@ class SampleInputs:
     lengths: jax.Array
     steps: jax.Array
     allowed: jax.Array
+    pooled: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +218,15 @@ def seed_history(state: DecodeState, row: jax.Array, tokens: jax.Array, length: 
     history = TokenHistory(h.tokens.at[row].set(jnp.where(real, tokens, h.tokens[row])),
                            h.counts.at[row].set(counts), h.prompt_seen.at[row].set(seen))
     return dataclasses.replace(state, history=history)
+
+
+def final_hidden(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
+    """A decoder's hidden states `[R, E]` through its final norm, as float32 `[R, E]` (what
+    transformers' `*Model` returns as `last_hidden_state`; `models.ragged.head`'s norm)."""
+    cfg = graph.cfg
+    x = rms_norm(x, params.outer["final_norm"]["weight"][...], cfg.rms_norm_eps,
+                 cfg.norm_weight_offset)
+    return x.astype(jnp.float32)
 
 
 def head(graph, params: LayerParams, x: jax.Array) -> jax.Array:
@@ -365,13 +382,14 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         state.sampling.set_rows(finish_rows, chunk.sampling), history, state.cross,
         state.images)
     hidden = jnp.concatenate([x[:n], x[n + chunk.finish_index]])
+    pooled = final_hidden(graph, params, hidden[n:]) if shape.pooled else None
     inputs = SampleInputs(
         head(graph, params, hidden),
         jnp.concatenate([dec_rows, jnp.clip(finish_rows, 0, B - 1)]),
         jnp.concatenate([live, (finish_rows >= 0) & (finish_rows < B)]),
         jnp.concatenate([positions + 1, last_pos + 1]),
         jnp.concatenate([steps_, chunk.finish_steps]),
-        jnp.concatenate([allowed[:n], chunk.allowed]))
+        jnp.concatenate([allowed[:n], chunk.allowed]), pooled)
     return new, ((inputs, routed[0]) if routed else inputs)
 
 

@@ -1,0 +1,160 @@
+"""Decoder embedders (Qwen3-Embedding style) and rerankers (Qwen3-Reranker style) through the
+scheduler's ragged steps, against transformers and sentence-transformers in float32."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from devtools.hf_models import build_decoder_embedder, build_decoder_reranker
+from metrale_jax.embedding.decoder_pooler import (
+    decoder_pooling_task,
+    load_decoder_pooler,
+    read_sentence_pooling,
+)
+from metrale_jax.errors import ContextLengthError, InvalidParameterError
+
+ENGINE = dict(max_slots=4, max_len=256, min_prefill_bucket=16, max_prefill_len=64,
+              page_size=16, max_prefill_batch=2)
+"""A step carries at most 64 prompt tokens: a longer input is split across steps."""
+RERANK_ENGINE = {**ENGINE, "max_len": 512}
+"""Qwen3-Reranker's prompt takes about 300 tokens of the tiny vocabulary."""
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "def main():",
+         "Metrale serves language models on JAX and XLA. " * 4,
+         "数字 1234567890 and symbols", "Ça va très bien, merci. " * 8, "a"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decoder_pooling")
+    return build_decoder_embedder(root / "tiny-embedder"), build_decoder_reranker(
+        root / "tiny-reranker")
+
+
+@pytest.fixture(scope="module")
+def embedder(folders):
+    pooler = load_decoder_pooler(folders[0], **ENGINE)
+    yield pooler
+    pooler.close()
+
+
+@pytest.fixture(scope="module")
+def reranker(folders):
+    pooler = load_decoder_pooler(folders[1], **RERANK_ENGINE)
+    yield pooler
+    pooler.close()
+
+
+def _all_free(pooler) -> bool:
+    pages = pooler.scheduler.engine.pages
+    return (pages.free_pages == pages.usable_pages
+            and not any(pooler.scheduler.snapshot()["slots"]))
+
+
+def test_detection_from_the_folders(folders, tmp_path):
+    emb, rer = folders
+    assert decoder_pooling_task(emb) == "embed"
+    assert decoder_pooling_task(rer) == "score"
+    assert read_sentence_pooling(emb).pooling == "last"
+    chat = tmp_path / "chat"
+    chat.mkdir()
+    shutil.copy(rer / "config.json", chat / "config.json")
+    assert decoder_pooling_task(chat) is None  # a decoder with neither: a chat model
+    cfg = json.loads((chat / "config.json").read_text())
+    (chat / "config.json").write_text(json.dumps(
+        {**cfg, "architectures": ["Qwen3ForSequenceClassification"],
+         "classifier_from_token": ["no", "yes"]}))
+    assert decoder_pooling_task(chat) == "score"  # vLLM's Qwen3-Reranker override
+    (chat / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert decoder_pooling_task(chat) is None
+
+
+def test_embeddings_equal_transformers(embedder, folders):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+    info = embedder.info
+    assert (info.task, info.kind, info.pooling, info.normalize) == (
+        "embed", "decoder-embedding", "last", True)
+    assert info.dimensions == 64 and info.max_input_tokens == ENGINE["max_len"] - 1
+    ids = [embedder.encode_text(t) for t in TEXTS]
+    assert all(x[-1] == embedder.tokenizer.eos_token_id for x in ids)  # the end token
+    assert max(map(len, ids)) > ENGINE["max_prefill_len"]  # one spans several steps
+    got = embedder.embed_ids(ids)
+    model = AutoModel.from_pretrained(folders[0], torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = np.stack([model(torch.tensor([x])).last_hidden_state[0, -1].numpy()
+                         for x in ids])
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    st = SentenceTransformer(str(folders[0]), device="cpu").encode(TEXTS)
+    np.testing.assert_allclose(got, st, atol=1e-5)
+    assert _all_free(embedder)
+
+
+def test_batch_invariance_flat_compiles_and_free_pages(embedder):
+    warm = embedder.compile_count
+    assert warm > 0
+    long_ids = embedder.encode_text(TEXTS[4] * 2)
+    assert len(long_ids) > 2 * ENGINE["max_prefill_len"]
+    alone = embedder.embed_ids([long_ids])[0]
+    short = embedder.embed_ids([embedder.encode_text(TEXTS[1])])[0]
+    mixed = [embedder.encode_text(t) for t in TEXTS * 3] + [long_ids]
+    many = embedder.embed_ids(mixed)
+    np.testing.assert_allclose(many[-1], alone, atol=1e-6)
+    np.testing.assert_allclose(many[1], short, atol=1e-6)
+    np.testing.assert_allclose(many[1 + len(TEXTS)], short, atol=1e-6)
+    scores, tokens = embedder.score_texts(TEXTS[0], TEXTS[:3])
+    assert tokens == sum(len(embedder.encode_text(t)) for t in (TEXTS[0], *TEXTS[:3]))
+    assert scores[0] == pytest.approx(1.0, abs=1e-5) and scores.shape == (3,)
+    assert embedder.compile_count == warm
+    assert _all_free(embedder)
+
+
+def test_inputs_at_and_over_the_context_limit(embedder):
+    limit = embedder.info.max_input_tokens
+    at = ([5] * limit)
+    vec = embedder.embed_ids([[7, 8], at])
+    assert vec.shape == (2, 64) and np.isfinite(vec).all()
+    with pytest.raises(ContextLengthError, match="input 1 "):
+        embedder.embed_ids([[7, 8], [5] * (limit + 1)])
+    with pytest.raises(ContextLengthError, match="input 0 "):
+        embedder.score_texts("x " * 400, ["a"])
+    scores, _ = embedder.score_texts("x " * 400, ["a"], truncate=True)
+    assert scores.shape == (1,)
+    assert _all_free(embedder)
+
+
+def test_reranker_scores_equal_transformers(reranker, folders):
+    from transformers import AutoModelForCausalLM
+    info = reranker.info
+    assert (info.task, info.kind, info.dimensions) == ("score", "decoder-reranker", None)
+    warm = reranker.compile_count
+    query = "Which fox is quick?"
+    docs = TEXTS[:4]
+    scores, tokens = reranker.score_texts(query, docs)
+    ids = [reranker.pair_ids(query, d) for d in docs]
+    assert tokens == sum(map(len, ids))
+    tok = reranker.tokenizer
+    yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+    model = AutoModelForCausalLM.from_pretrained(folders[1], torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = []
+        for x in ids:
+            logits = model(torch.tensor([x])).logits[0, -1].double()
+            want.append(torch.sigmoid(logits[yes] - logits[no]).item())
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+    again, _ = reranker.score_texts(query, [docs[2]])
+    np.testing.assert_allclose(again[0], scores[2], atol=1e-6)
+    with pytest.raises(InvalidParameterError):
+        reranker.embed_ids([[1, 2]])
+    with pytest.raises(ContextLengthError, match="input 1 "):
+        reranker.score_texts(query, ["short", "long " * 600])
+    cut, _ = reranker.score_texts(query, ["short", "long " * 600], truncate=True)
+    assert cut.shape == (2,) and ((cut >= 0) & (cut <= 1)).all()
+    assert reranker.compile_count == warm
+    assert _all_free(reranker)
