@@ -26,7 +26,12 @@ from typing import Any
 import numpy as np
 
 from metrale_jax.embedding.pooler import Pooler, PoolerInfo, Task, cosine_scores
-from metrale_jax.errors import CheckpointError, ContextLengthError, InvalidParameterError
+from metrale_jax.errors import (
+    BusyError,
+    CheckpointError,
+    ContextLengthError,
+    InvalidParameterError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +278,14 @@ class DecoderPooler(Pooler):
             if len(queued) >= self.window:
                 take()
             request = GenerationRequest.make(ids, params, pooling=True)
-            queued.append((i, self.scheduler.submit(request)))
+            while True:
+                try:
+                    queued.append((i, self.scheduler.submit(request)))
+                    break
+                except BusyError:  # other callers filled the queue: wait for one of ours
+                    if not queued:
+                        raise
+                    take()
         while queued:
             take()
         return out

@@ -158,3 +158,34 @@ def test_reranker_scores_equal_transformers(reranker, folders):
     assert cut.shape == (2,) and ((cut >= 0) & (cut <= 1)).all()
     assert reranker.compile_count == warm
     assert _all_free(reranker)
+
+
+def test_pooling_requests_beside_generation_timeouts_and_usage(embedder):
+    from metrale_jax.scheduler import (
+        Finished,
+        GenerationRequest,
+        Pooled,
+        SamplingParams,
+        TimedOut,
+    )
+    sched = embedder.scheduler
+    warm = embedder.compile_count
+    ids = embedder.encode_text(TEXTS[2])
+    alone = embedder.embed_ids([ids])[0]
+    chat = sched.submit(GenerationRequest.make(
+        embedder.encode_text(TEXTS[0]), SamplingParams(max_tokens=3, ignore_eos=True)))
+    pooled = [sched.submit(GenerationRequest.make(ids, SamplingParams(max_tokens=1),
+                                                  tenant=f"t{i}", pooling=True))
+              for i in range(3)]
+    late = sched.submit(GenerationRequest.make(ids, SamplingParams(max_tokens=1),
+                                               timeout=-1.0, pooling=True))
+    ends = [list(h)[-1] for h in pooled]
+    for end in ends:
+        assert isinstance(end, Pooled) and end.prompt_tokens == len(ids)
+        np.testing.assert_allclose(end.vector / np.linalg.norm(end.vector), alone, atol=1e-6)
+    chat_events = list(chat)
+    assert isinstance(chat_events[-1], Finished) and chat_events[-1].completion_tokens == 3
+    assert sum(len(e.token_ids) for e in chat_events[:-1]) == 3  # tokens streamed only here
+    assert [type(e) for e in late] == [TimedOut]
+    assert embedder.compile_count == warm
+    assert _all_free(embedder)
