@@ -189,3 +189,25 @@ def test_pooling_requests_beside_generation_timeouts_and_usage(embedder):
     assert [type(e) for e in late] == [TimedOut]
     assert embedder.compile_count == warm
     assert _all_free(embedder)
+
+
+def test_head_rows_tied_untied_and_int8():
+    from types import SimpleNamespace
+
+    from metrale_jax.embedding.decoder_pooler import head_rows
+    rng = np.random.default_rng(0)
+    embed = rng.normal(size=(10, 4)).astype(np.float32)  # [V, E]
+    lm_head = rng.normal(size=(4, 10)).astype(np.float32)  # [E, V]
+    scale = rng.uniform(0.5, 2, size=10).astype(np.float32)
+
+    def engine(tied, **outer):
+        return SimpleNamespace(model_config=SimpleNamespace(tie_word_embeddings=tied),
+                               params=SimpleNamespace(outer=outer))
+
+    np.testing.assert_array_equal(head_rows(engine(True, embed=embed), (3, 7)),
+                                  embed[[3, 7]].T)
+    np.testing.assert_array_equal(head_rows(engine(False, embed=embed, lm_head=lm_head),
+                                            (3, 7)), lm_head[:, [3, 7]])
+    np.testing.assert_allclose(
+        head_rows(engine(False, lm_head=lm_head, lm_head_scale=scale), (3, 7)),
+        lm_head[:, [3, 7]] * scale[[3, 7]], rtol=1e-6)
