@@ -193,6 +193,16 @@ class DecoderPooler(Pooler):
                              - len(self._suffix))]
         return [*self._prefix, *pair, *self._suffix]
 
+    def truncated(self, ids: list[int]) -> list[int]:
+        """`ids` cut to `max_input_tokens`, keeping a trailing special token (the end token
+        whose hidden state the embedder pools)."""
+        limit = self.info.max_input_tokens
+        if len(ids) <= limit:
+            return ids
+        if ids[-1] in self.tokenizer.special_ids:
+            return [*ids[:limit - 1], ids[-1]]
+        return ids[:limit]
+
     def embed_ids(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
         """Embeddings `[N, E] float32` of N token-id lists (last token's final-normed hidden
         state, normalized as `info` says). Raises `ContextLengthError` naming the index of
@@ -214,7 +224,7 @@ class DecoderPooler(Pooler):
         if self.info.kind == "decoder-embedding":
             ids = [self.encode_text(t) for t in (query, *documents)]
             if truncate:
-                ids = [x[:self.info.max_input_tokens] for x in ids]
+                ids = [self.truncated(x) for x in ids]
             vectors = self.embed_ids(ids)
             return cosine_scores(vectors[0], vectors[1:]), sum(len(x) for x in ids)
         ids = [self.pair_ids(query, d, truncate) for d in documents]
@@ -229,9 +239,11 @@ class DecoderPooler(Pooler):
         return self.scheduler.engine.compile_count
 
     def warmup(self) -> None:
-        """Waits for the scheduler's warmup (it compiles the grid before serving)."""
+        """Compiles every program of the engine's grid (after the scheduler's own warmup;
+        the programs it compiled already are found in its cache)."""
         if not self.scheduler.wait_ready():
             raise self.scheduler.startup_error
+        self.scheduler.engine.warmup()
 
     def close(self) -> None:
         """Stops the scheduler; later calls raise."""

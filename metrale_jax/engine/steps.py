@@ -294,6 +294,8 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
     fused (`decode_steps`: the decode loop, where a second program per token cost 5% of
     float32 decode) and the call returns StepOutput `[k, B]`. A mixture-of-experts model's
     call returns `(those, counts [L, X] int32)`: its real tokens per layer and expert.
+    With `shape.pooled` the `SampleInputs` also carry the finishing prompts' final-normed
+    last hidden states (`pooled`, `[R, E]` float32: embeddings and rerank scores).
     """
     B, pps = state.tokens.shape[0], page_table.shape[1]
     page_size = pool_page_size(state.pages)

@@ -99,6 +99,8 @@ def test_embeddings_equal_transformers(embedder, folders):
 def test_batch_invariance_flat_compiles_and_free_pages(embedder):
     warm = embedder.compile_count
     assert warm > 0
+    embedder.warmup()  # the scheduler compiled the grid already
+    assert embedder.compile_count == warm
     long_ids = embedder.encode_text(TEXTS[4] * 2)
     assert len(long_ids) > 2 * ENGINE["max_prefill_len"]
     alone = embedder.embed_ids([long_ids])[0]
@@ -126,6 +128,8 @@ def test_inputs_at_and_over_the_context_limit(embedder):
         embedder.score_texts("x " * 400, ["a"])
     scores, _ = embedder.score_texts("x " * 400, ["a"], truncate=True)
     assert scores.shape == (1,)
+    cut = embedder.truncated(embedder.encode_text("x " * 400))
+    assert len(cut) == limit and cut[-1] == embedder.tokenizer.eos_token_id
     assert _all_free(embedder)
 
 
