@@ -112,9 +112,10 @@ def decoder_pooling_task(path: str | Path) -> Task | None:
     decoder reranker scored from its "yes"/"no" logits: config.json with
     `classifier_from_token`, as vLLM's Qwen3-Reranker override sets beside
     `architectures: [*ForSequenceClassification]`, or a `*ForCausalLM` folder whose name
-    contains "reranker"), or None (not a decoder, or a chat model). A converted
-    `*ForSequenceClassification` folder without `classifier_from_token` (its own `score`
-    head) is not read: None."""
+    contains "reranker": the folder's, or the repository's in a Hub cache path), or None
+    (not a decoder, or a chat model). A converted `*ForSequenceClassification` folder
+    without `classifier_from_token` (its own `score` head) is not read: None. `path`: a
+    local folder."""
     path = Path(path)
     cfg = _decoder_config(path)
     if cfg is None:
@@ -124,8 +125,9 @@ def decoder_pooling_task(path: str | Path) -> Task | None:
     archs = [str(a) for a in cfg.get("architectures") or ()]
     if any(a.endswith("ForSequenceClassification") for a in archs):
         return None
-    if "reranker" in path.resolve().name.lower() or "reranker" in str(
-            cfg.get("_name_or_path", "")).lower():
+    # The folder's name, or a Hub cache's `models--Org--Name/snapshots/<hash>`.
+    names = [*path.resolve().parts[-3:], str(cfg.get("_name_or_path", ""))]
+    if any("reranker" in name.lower() for name in names):
         return "score"
     if read_sentence_pooling(path) is not None:
         return "embed"
