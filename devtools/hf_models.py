@@ -205,13 +205,14 @@ def _append_end_token(folder: Path, token: str = "</s>") -> None:
     json.loads(path.read_text())  # still valid
 
 
-def build_decoder_embedder(folder: Path, arch: str = "qwen3") -> Path:
+def build_decoder_embedder(folder: Path, arch: str = "qwen3", pooling: str = "lasttoken",
+                           seed: int = 0) -> Path:
     """A tiny Qwen3-Embedding-style folder: the bare `*Model` saved (tensor names without
     "model.", no `lm_head`; architectures `[Qwen3Model]`), the tiny tokenizer appending its
-    end token `</s>`, and sentence-transformers' `modules.json` (Transformer, last-token
-    Pooling, Normalize). Returns it."""
+    end token `</s>`, and sentence-transformers' `modules.json` (Transformer, Pooling by
+    `pooling`: "lasttoken" or "mean_tokens", Normalize). Returns it."""
     import json
-    causal = build_hf_model(arch, folder, overrides=TINY_POOLER)
+    causal = build_hf_model(arch, folder, seed=seed, overrides=TINY_POOLER)
     (folder / "model.safetensors").unlink()
     causal.model.save_pretrained(folder)
     save_tiny_tokenizer(folder)
@@ -226,9 +227,9 @@ def build_decoder_embedder(folder: Path, arch: str = "qwen3") -> Path:
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({
         "word_embedding_dimension": causal.config.hidden_size,
-        "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+        "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": pooling == "mean_tokens",
         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": True,
+        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken",
         "include_prompt": True}, indent=2))
     (folder / "2_Normalize").mkdir(exist_ok=True)
     (folder / "sentence_bert_config.json").write_text(json.dumps(

@@ -5,9 +5,10 @@ pages are freed as soon as the step's output is read; nothing compiles per reque
 Two kinds, told apart from the folder (`decoder_pooling_task`):
 - "decoder-embedding" (Qwen3-Embedding): the text as the folder's tokenizer encodes it with
   its special tokens (Qwen3-Embedding's `tokenizer.json` appends `<|endoftext|>`), the final-
-  normed hidden state of its last token, L2-normalized when the sentence-transformers
-  modules list `Normalize`. Only last-token pooling (`pooling_mode_lasttoken`): the prefix
-  cache shares a prompt's first pages, whose hidden states a mean would need.
+  normed hidden state of its last token (`pooling_mode_lasttoken`) or their mean over the
+  input (`pooling_mode_mean_tokens`: its engine runs without the prefix cache, since a
+  shared prefix's hidden states are not computed again), L2-normalized when the sentence-
+  transformers modules list `Normalize`. CLS and max pooling are refused.
 - "decoder-reranker" (Qwen3-Reranker): each (query, document) pair in Qwen3-Reranker's
   prompt, scored sigmoid(logit("yes") - logit("no")) at its last token: the two rows of the
   model's head applied on the host to the pooled hidden state.
@@ -143,13 +144,15 @@ class DecoderPooler(Pooler):
         tokenizer: the model's `metrale_jax.text.Tokenizer`.
         kind: "decoder-embedding" or "decoder-reranker".
         normalize: embeddings L2-normalized; matryoshka: as `PoolerInfo`.
+        pooling: an embedder's "last" (token) or "mean" (over the input; needs an engine
+            without the prefix cache).
         yes_no: the reranker's ("yes", "no") token ids.
         window: the most requests one call keeps queued at once.
     """
 
     def __init__(self, scheduler: Any, tokenizer: Any, kind: str, *, normalize: bool = True,
                  matryoshka: bool = False, yes_no: tuple[int, int] | None = None,
-                 window: int = 128):
+                 window: int = 128, pooling: str = "last"):
         if kind not in ("decoder-embedding", "decoder-reranker"):
             raise InvalidParameterError(f"unknown decoder pooler kind {kind!r}", param="kind")
         self.scheduler = scheduler
@@ -160,11 +163,18 @@ class DecoderPooler(Pooler):
                                         "pooled_output=True", param="pooled_output")
         max_input = engine.config.max_len - 1  # the validator keeps one for a first token
         scorer = kind == "decoder-reranker"
+        if pooling not in ("last", "mean") or (pooling == "mean" and scorer):
+            raise InvalidParameterError(f"a decoder {kind} does not pool by {pooling!r}",
+                                        param="pooling")
+        if pooling == "mean" and engine.config.prefix_cache:
+            raise InvalidParameterError("mean pooling needs an engine without the prefix "
+                                        "cache (prefix_cache=False)", param="prefix_cache")
+        self.mean = pooling == "mean"
         self.info = PoolerInfo(
             task="score" if scorer else "embed", kind=kind,  # type: ignore[arg-type]
             max_input_tokens=max_input,
             dimensions=None if scorer else engine.model_config.hidden_size,
-            matryoshka=matryoshka and not scorer, pooling=None if scorer else "last",
+            matryoshka=matryoshka and not scorer, pooling=None if scorer else pooling,
             normalize=normalize and not scorer)
         self.window = max(1, min(window, scheduler.max_waiting))
         self._head: np.ndarray | None = None
@@ -254,7 +264,8 @@ class DecoderPooler(Pooler):
 
     # ---- the requests --------------------------------------------------------------------
     def pooled(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
-        """The final-normed last hidden state `[N, E] float32` of each input, through the
+        """The final-normed last hidden state `[N, E] float32` of each input (their mean
+        over the input for a mean-pooling embedder), through the
         scheduler as pooling requests (at most `window` queued at once). Raises
         `ContextLengthError` naming the first input over `max_input_tokens`."""
         from metrale_jax.scheduler import GenerationRequest, Pooled, SamplingParams
@@ -286,7 +297,7 @@ class DecoderPooler(Pooler):
                     raise error
                 raise InvalidParameterError(f"input {i} ended without a vector ({end!r})",
                                             param="input")
-            out[i] = end.vector
+            out[i] = end.mean if self.mean else end.vector
 
         for i, ids in enumerate(inputs):
             if len(queued) >= self.window:
@@ -348,10 +359,12 @@ def load_decoder_pooler(path: str | Path, task: Task | None = None, *, dtype: st
         raise InvalidParameterError(f"{path} is no decoder embedding or reranker model",
                                     param="model")
     settings = read_sentence_pooling(path) if task == "embed" else None
-    if settings is not None and settings.pooling != "last":
-        raise InvalidParameterError(f"{path}: {settings.pooling} pooling of a decoder "
-                                    "embedder is not supported (last token only)",
-                                    param="model")
+    pooling = settings.pooling if settings is not None else "last"
+    if pooling not in ("last", "mean"):
+        raise InvalidParameterError(f"{path}: {pooling} pooling of a decoder embedder is not "
+                                    "supported (last token or mean)", param="model")
+    if pooling == "mean":  # a shared prefix's hidden states are not computed again
+        engine_options = {**engine_options, "prefix_cache": False}
     cfg = _decoder_config(path) or {}
     hook = PlacementHook(EngineConfig(pooled_output=True, **engine_options))
     ckpt = load_checkpoint(path, dtype, shardings=hook,
@@ -371,7 +384,8 @@ def load_decoder_pooler(path: str | Path, task: Task | None = None, *, dtype: st
     kind = "decoder-reranker" if task == "score" else "decoder-embedding"
     return DecoderPooler(scheduler, tokenizer, kind,
                          normalize=settings.normalize if settings else True,
-                         matryoshka=bool(settings and settings.matryoshka), yes_no=yes_no)
+                         matryoshka=bool(settings and settings.matryoshka), yes_no=yes_no,
+                         pooling=pooling)
 
 
 def _classifier_tokens(cfg: dict[str, Any]) -> tuple[str, str]:

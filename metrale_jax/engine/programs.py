@@ -241,7 +241,8 @@ class StepPrograms:
                               stacked_pages=config.scans_layers(
                                   model_config.is_encoder_decoder,
                                   model_config.quantization, layer_group(model_config)),
-                              window_columns=config.window_columns(model_config)),
+                              window_columns=config.window_columns(model_config),
+                              pooled=config.pooled_output),
             out_shardings=shardings.state)
         self.state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -309,9 +310,12 @@ class StepPrograms:
             self.router_stats.add(counts)
         if not chunk:  # a decode step draws inside (steps.decode_steps)
             return state, out
-        pooled, out = out.pooled, dataclasses.replace(out, pooled=None)
+        pooled, mean = out.pooled, out.pooled_mean
+        out = dataclasses.replace(out, pooled=None, pooled_mean=None)
         state, out = self.sample(n, self.finish_rows(chunk))(state, out)
-        return state, out if pooled is None else dataclasses.replace(out, pooled=pooled)
+        if pooled is None:
+            return state, out
+        return state, dataclasses.replace(out, pooled=pooled, pooled_mean=mean)
 
     def finish_rows(self, chunk: int) -> int:
         """R, the prompts that may end in a step with a chunk of `chunk` tokens."""

@@ -118,7 +118,8 @@ class SampleInputs:
     int32, the step index folded into each row's key; allowed: [M, W] uint32 grammar masks.
     pooled: [R, E] float32, the final-normed hidden state of each finishing prompt's last
     token (`StepShape.pooled`; None otherwise): not an input of the sampling program
-    (`StepPrograms.run` moves it to the step's `StepOutput`).
+    (`StepPrograms.run` moves it to the step's `StepOutput`); pooled_mean: [R, E] float32,
+    the mean of those hidden states over each one's prompt (`StepOutput.pooled_mean`).
     """
 
     logits: jax.Array
@@ -128,6 +129,7 @@ class SampleInputs:
     steps: jax.Array
     allowed: jax.Array
     pooled: jax.Array | None = None
+    pooled_mean: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +165,8 @@ def sample_rows(sc: SampleConfig, shape: SampleShape, state: DecodeState,
 def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
                cache_dtype: jnp.dtype, source_len: int = 0, image_rows: int = 0,
                float_dtype: jnp.dtype | None = None, *,
-               stacked_pages: bool = False, window_columns: int = 0) -> DecodeState:
+               stacked_pages: bool = False, window_columns: int = 0,
+               pooled: bool = False) -> DecodeState:
     """An empty decode state: greedy rows at position 0 and zero page pools
     (L x `[num_pages, page_size, 2K, D]`, or `D + 4` int8 rows with their scales for an int8
     cache: `models/kv_quant.py`; `stacked_pages`: one pool `[L, num_pages, ...]` for the
@@ -172,7 +175,8 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
     vision-language model's image feature pool holds `image_rows` rows `[image_rows, E]`.
     Those two are kept in `cache_dtype` when it is a float, else in `float_dtype` (None:
     float32). window_columns: W > 0 gives the sliding layers rings of W pages per row
-    (`WindowedPools`, `models/window_cache.py`)."""
+    (`WindowedPools`, `models/window_cache.py`). pooled: the rows' prompt hidden-state sums
+    (`DecodeState.pool_sums`, `[B, E]` float32) for mean pooling."""
     zeros = jnp.zeros((slots,), jnp.int32)
     shape = (num_pages, page_size, 2 * cfg.num_kv_heads,
              stored_head_dim(cfg.head_dim, cache_dtype))
@@ -194,7 +198,8 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
         cross=(CrossCache.zeros(cfg, slots, source_len, side)
                if cfg.is_encoder_decoder else None),
         images=(jnp.zeros((image_rows, cfg.hidden_size), side)
-                if cfg.vision is not None else None))
+                if cfg.vision is not None else None),
+        pool_sums=jnp.zeros((slots, cfg.hidden_size), jnp.float32) if pooled else None)
 
 
 def seed_history(state: DecodeState, row: jax.Array, tokens: jax.Array, length: jax.Array,
@@ -376,22 +381,29 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         history.tokens.at[rows, chunk.positions].set(chunk.tokens, mode="drop"), counts, seen)
     finish_rows = chunk.finish_rows
     last_pos = chunk.positions[chunk.finish_index]
+    pooled = pooled_mean = pool_sums = None
+    if shape.pooled:  # each chunk token's normed state joins its row's sum
+        normed = final_hidden(graph, params, x[n:])
+        pool_sums = state.pool_sums.at[fresh].set(0.0, mode="drop")
+        pool_sums = pool_sums.at[rows].add(normed, mode="drop")
+        pooled = normed[chunk.finish_index]
+        pooled_mean = (pool_sums[jnp.clip(finish_rows, 0, B - 1)]
+                       / (last_pos + 1).astype(jnp.float32)[:, None])
     new = DecodeState(
         pages,
         new_positions.at[finish_rows].set(last_pos + 1, mode="drop"),
         state.tokens,
         new_steps.at[finish_rows].set(chunk.finish_steps + 1, mode="drop"),
         state.sampling.set_rows(finish_rows, chunk.sampling), history, state.cross,
-        state.images)
+        state.images, pool_sums)
     hidden = jnp.concatenate([x[:n], x[n + chunk.finish_index]])
-    pooled = final_hidden(graph, params, hidden[n:]) if shape.pooled else None
     inputs = SampleInputs(
         head(graph, params, hidden),
         jnp.concatenate([dec_rows, jnp.clip(finish_rows, 0, B - 1)]),
         jnp.concatenate([live, (finish_rows >= 0) & (finish_rows < B)]),
         jnp.concatenate([positions + 1, last_pos + 1]),
         jnp.concatenate([steps_, chunk.finish_steps]),
-        jnp.concatenate([allowed[:n], chunk.allowed]), pooled)
+        jnp.concatenate([allowed[:n], chunk.allowed]), pooled, pooled_mean)
     return new, ((inputs, routed[0]) if routed else inputs)
 
 
@@ -433,7 +445,7 @@ def decode_steps(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state
                            h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
     new = DecodeState(pages, state.positions.at[:n].set(positions),
                       state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
-                      state.sampling, history, state.cross, state.images)
+                      state.sampling, history, state.cross, state.images, state.pool_sums)
     out = pad_columns(out, B)
     return new, ((out, routed[0]) if routed else out)
 

@@ -68,11 +68,15 @@ class Finished:
 class Pooled:
     """A pooling request ended (`GenerationRequest.pooling`): vector `[E] float32`, the final-
     normed hidden state of its prompt's last token; prompt_tokens: the tokens it read;
-    cached_tokens: those whose keys and values came from the prefix cache."""
+    cached_tokens: those whose keys and values came from the prefix cache; mean: `[E]`
+    float32, the mean of those hidden states over the prompt's tokens whose keys and values
+    were computed (all of them when cached_tokens is 0: an engine without the prefix cache).
+    """
 
     vector: np.ndarray
     prompt_tokens: int
     cached_tokens: int = 0
+    mean: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

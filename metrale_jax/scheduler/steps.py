@@ -124,7 +124,8 @@ class StepRunner:
                 continue
             self.grammar.consumed(slot)
             if seq.request.pooling:
-                self._end_pooled(slot, seq, np.asarray(out.pooled)[col - B])
+                self._end_pooled(slot, seq, np.asarray(out.pooled)[col - B],
+                                 np.asarray(out.pooled_mean)[col - B])
                 continue
             if seq.beam is not None:
                 self.beams.output(seq, top_ids[0, col], top_lps[0, col])
@@ -146,19 +147,20 @@ class StepRunner:
                 seq.post_final()
         self.state = self.beams.flush(self.state)
 
-    def _end_pooled(self, slot: int, seq: Any, vector: np.ndarray) -> None:
+    def _end_pooled(self, slot: int, seq: Any, vector: np.ndarray, mean: np.ndarray) -> None:
         """A pooling request's prompt is in: its row is freed and it ends with `Pooled`
-        (`vector`: `[E]` float32, its last token's final-normed hidden state)."""
+        (`vector`: `[E]` float32, its last token's final-normed hidden state; `mean`: their
+        mean over the prompt)."""
         seq.finished = True
         self.rows.free(slot)
         self.stats["finished"] += 1
         seq.handle.post(Pooled(np.array(vector, np.float32), seq.input_tokens,
-                               seq.cached_tokens or 0))
+                               seq.cached_tokens or 0, np.array(mean, np.float32)))
 
 
 def _start_copy(output: Any) -> None:
     """Starts the device-to-host copy of a step output without waiting for it."""
-    for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "pooled"):
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "pooled", "pooled_mean"):
         arr = getattr(output, name, None)
         if hasattr(arr, "copy_to_host_async"):
             arr.copy_to_host_async()

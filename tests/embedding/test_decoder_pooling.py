@@ -50,6 +50,15 @@ def reranker(folders):
     pooler.close()
 
 
+@pytest.fixture(scope="module")
+def mean_embedder(tmp_path_factory):
+    folder = build_decoder_embedder(tmp_path_factory.mktemp("mean") / "tiny-mean-embedder",
+                                    pooling="mean_tokens", seed=1)
+    pooler = load_decoder_pooler(folder, **ENGINE)
+    yield pooler, folder
+    pooler.close()
+
+
 def _all_free(pooler) -> bool:
     pages = pooler.scheduler.engine.pages
     return (pages.free_pages == pages.usable_pages
@@ -215,3 +224,19 @@ def test_head_rows_tied_untied_and_int8():
     np.testing.assert_allclose(
         head_rows(engine(False, lm_head=lm_head, lm_head_scale=scale), (3, 7)),
         lm_head[:, [3, 7]] * scale[[3, 7]], rtol=1e-6)
+
+
+def test_mean_pooling_equals_sentence_transformers(mean_embedder):
+    from sentence_transformers import SentenceTransformer
+    pooler, folder = mean_embedder
+    assert pooler.info.pooling == "mean"
+    assert pooler.scheduler.engine.pages.cache is None  # no shared prefix: every state
+    ids = [pooler.encode_text(t) for t in TEXTS]
+    got = pooler.embed_ids(ids)
+    st = SentenceTransformer(str(folder), device="cpu").encode(TEXTS)
+    np.testing.assert_allclose(got, st, atol=1e-5)
+    warm = pooler.compile_count
+    many = pooler.embed_ids(ids[::-1] * 2)
+    np.testing.assert_allclose(many[:len(ids)], got[::-1], atol=1e-6)
+    assert pooler.compile_count == warm
+    assert _all_free(pooler)
