@@ -216,9 +216,10 @@ class DecoderPooler(Pooler):
         return ids[:limit]
 
     def embed_ids(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
-        """Embeddings `[N, E] float32` of N token-id lists (last token's final-normed hidden
-        state, normalized as `info` says). Raises `ContextLengthError` naming the index of
-        an input over `max_input_tokens`; raises for a reranker."""
+        """Embeddings `[N, E] float32` of N token-id lists (the last token's final-normed
+        hidden state, or their mean, as `info.pooling` says; normalized as `info` says).
+        Raises `ContextLengthError` naming the index of an input over `max_input_tokens`;
+        raises for a reranker."""
         if self.info.task != "embed":
             raise InvalidParameterError("this model scores (query, document) pairs; it "
                                         "serves no embeddings", param="input")
