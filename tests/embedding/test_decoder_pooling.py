@@ -240,3 +240,23 @@ def test_mean_pooling_equals_sentence_transformers(mean_embedder):
     np.testing.assert_allclose(many[:len(ids)], got[::-1], atol=1e-6)
     assert pooler.compile_count == warm
     assert _all_free(pooler)
+
+
+def test_pooling_requests_need_a_pooled_engine_and_sample_nothing():
+    from types import SimpleNamespace
+
+    from metrale_jax.scheduler import GenerationRequest, SamplingParams
+    from metrale_jax.scheduler.validation import RequestValidator
+
+    def check(pooled_output: bool, **params) -> None:
+        engine = SimpleNamespace(config=SimpleNamespace(
+            max_slots=4, max_len=64, pooled_output=pooled_output))
+        validator = RequestValidator(engine, None, (), None, None)
+        validator.check_pooling(GenerationRequest.make(
+            [1, 2], SamplingParams(max_tokens=1, **params), pooling=True))
+
+    check(True)
+    with pytest.raises(InvalidParameterError, match="pooled_output"):
+        check(False)
+    with pytest.raises(InvalidParameterError, match="no beams"):
+        check(True, num_beams=2)
