@@ -183,3 +183,63 @@ def build_tool_checkpoint(folder: Path, arch: str = "llama") -> Path:
     save_tiny_tokenizer(folder, added_tokens=TOOL_TOKENS, chat_template=HERMES_TEMPLATE,
                         corpus=TOOL_CORPUS)
     return folder
+
+
+TINY_POOLER = dict(num_hidden_layers=2, vocab_size=640, max_position_embeddings=1024)
+"""The tiny decoder embedder's and reranker's config (2 layers, the tiny tokenizer's vocab
+plus room for added tokens, room for Qwen3-Reranker's long prompt in the tiny vocab)."""
+
+
+def _append_end_token(folder: Path, token: str = "</s>") -> None:
+    """Makes the folder's tokenizer append `token` to every encoding with special tokens, as
+    Qwen3-Embedding's `tokenizer.json` appends `<|endoftext|>`."""
+    import json
+
+    from tokenizers import Tokenizer, processors
+    path = folder / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A {token}", pair=f"$A {token} $B:1 {token}:1",
+        special_tokens=[(token, tok.token_to_id(token))])
+    tok.save(str(path))
+    json.loads(path.read_text())  # still valid
+
+
+def build_decoder_embedder(folder: Path, arch: str = "qwen3", pooling: str = "lasttoken",
+                           seed: int = 0) -> Path:
+    """A tiny Qwen3-Embedding-style folder: the bare `*Model` saved (tensor names without
+    "model.", no `lm_head`; architectures `[Qwen3Model]`), the tiny tokenizer appending its
+    end token `</s>`, and sentence-transformers' `modules.json` (Transformer, Pooling by
+    `pooling`: "lasttoken" or "mean_tokens", Normalize). Returns it."""
+    import json
+    causal = build_hf_model(arch, folder, seed=seed, overrides=TINY_POOLER)
+    (folder / "model.safetensors").unlink()
+    causal.model.save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    _append_end_token(folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": causal.config.hidden_size,
+        "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": pooling == "mean_tokens",
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken",
+        "include_prompt": True}, indent=2))
+    (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "sentence_bert_config.json").write_text(json.dumps(
+        {"max_seq_length": 256, "do_lower_case": False}))
+    return folder
+
+
+def build_decoder_reranker(folder: Path, arch: str = "qwen3") -> Path:
+    """A tiny Qwen3-Reranker-style folder (name it "...reranker..."): a `*ForCausalLM` and
+    the tiny tokenizer with "yes" and "no" as tokens of their own. Returns it."""
+    build_hf_model(arch, folder, overrides=TINY_POOLER)
+    save_tiny_tokenizer(folder, added_tokens=("yes", "no"))
+    return folder

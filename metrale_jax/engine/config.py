@@ -126,6 +126,11 @@ class EngineConfig:
         is refused, as llama.cpp's small SWA cache does) or "full" (every layer keeps every
         position's page, as llama.cpp's `--swa-full`: prefix caching and beams work). None =
         "window". Models without such layers ignore it.
+    pooled_output: every step with a chunk also returns, for each prompt finished in it,
+        its last token's final-normed hidden state (`StepOutput.pooled`, `[R, E]` float32:
+        the embedding models' last-token pooling and the decoder rerankers' head input);
+        False = the steps return none (a chat engine's programs are unchanged).
+        Decoder-only models.
     """
 
     max_slots: int | None = 8
@@ -155,6 +160,7 @@ class EngineConfig:
     speculative_tokens: int = 0
     layer_loop: str | None = None
     sliding_cache: str | None = None
+    pooled_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidParameterError:
@@ -177,8 +183,9 @@ class EngineConfig:
                 isinstance(self.memory_gb, bool) or not isinstance(self.memory_gb, int | float)
                 or not 0 < self.memory_gb < math.inf):
             raise bad("memory_gb", "must be a positive number of GiB")
-        if not isinstance(self.prefix_cache, bool):
-            raise bad("prefix_cache", "must be True or False")
+        for flag in ("prefix_cache", "pooled_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, "must be True or False")
         if (not isinstance(self.speculative_tokens, int) or isinstance(
                 self.speculative_tokens, bool) or not 0 <= self.speculative_tokens <= 32):
             raise bad("speculative_tokens", "must be an integer in [0, 32] (0 = off)")

@@ -106,6 +106,9 @@ class Engine:
             raise InvalidParameterError("LoRA adapters are not supported on mixture-of-experts "
                                         "models (no adapter reaches the experts)",
                                         param="max_loras")
+        if self.encoder_decoder and cfg.pooled_output:
+            raise InvalidParameterError("pooled output is for decoder-only models",
+                                        param="pooled_output")
         if self.encoder_decoder and cfg.speculative_tokens:
             raise InvalidParameterError("speculative decoding is for decoder-only models",
                                         param="speculative_tokens")

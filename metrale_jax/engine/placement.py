@@ -240,7 +240,7 @@ class StepShardings:
         B, N, ps = config.max_slots, config.resolved_num_pages, config.page_size
         spec = jax.eval_shape(functools.partial(
             steps.init_state, model_config, B, 2, 2, ps, jnp.dtype(config.resolved_cache_dtype),
-            float_dtype=jnp.dtype(config.dtype)))
+            float_dtype=jnp.dtype(config.dtype), pooled=config.pooled_output))
 
         def per_slot(a: jax.ShapeDtypeStruct) -> NamedSharding:  # [B, ...]: slots on data
             return slot_sharding(B, self.mesh, a.ndim - 1)
@@ -267,7 +267,8 @@ class StepShardings:
             tokens=slots, steps=slots, sampling=jax.tree.map(per_slot, spec.sampling),
             history=jax.tree.map(per_slot, spec.history),
             cross=self._cross(model_config, config),
-            images=self.replicated if model_config.vision is not None else None)
+            images=self.replicated if model_config.vision is not None else None,
+            pool_sums=None if spec.pool_sums is None else per_slot(spec.pool_sums))
 
     def _cross(self, model_config: ModelConfig, config: EngineConfig) -> CrossCache | None:
         """An encoder-decoder's cross-attention buffers: slots on data, heads on model."""

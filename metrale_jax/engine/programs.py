@@ -31,6 +31,7 @@ is complete they choose the exact buckets.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -240,7 +241,8 @@ class StepPrograms:
                               stacked_pages=config.scans_layers(
                                   model_config.is_encoder_decoder,
                                   model_config.quantization, layer_group(model_config)),
-                              window_columns=config.window_columns(model_config)),
+                              window_columns=config.window_columns(model_config),
+                              pooled=config.pooled_output),
             out_shardings=shardings.state)
         self.state_spec = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
@@ -264,7 +266,8 @@ class StepPrograms:
             return exe  # every step asks: skip building the jit and specs (~1 ms of host time)
         cfg, i32 = self.config, jnp.int32
         B = cfg.max_slots
-        shape = steps.StepShape(n, chunk, self.finish_rows(chunk), k)
+        shape = steps.StepShape(n, chunk, self.finish_rows(chunk), k,
+                                pooled=bool(chunk) and cfg.pooled_output)
         fn = jax.jit(functools.partial(steps.ragged_step, self.graph, self.sample_config, shape),
                      donate_argnums=(1,),
                      out_shardings=(self.shardings.state, self.shardings.replicated))
@@ -307,7 +310,12 @@ class StepPrograms:
             self.router_stats.add(counts)
         if not chunk:  # a decode step draws inside (steps.decode_steps)
             return state, out
-        return self.sample(n, self.finish_rows(chunk))(state, out)
+        pooled, mean = out.pooled, out.pooled_mean
+        out = dataclasses.replace(out, pooled=None, pooled_mean=None)
+        state, out = self.sample(n, self.finish_rows(chunk))(state, out)
+        if pooled is None:
+            return state, out
+        return state, dataclasses.replace(out, pooled=pooled, pooled_mean=mean)
 
     def finish_rows(self, chunk: int) -> int:
         """R, the prompts that may end in a step with a chunk of `chunk` tokens."""

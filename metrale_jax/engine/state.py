@@ -49,6 +49,9 @@ class DecodeState:
     images: a vision-language model's image feature pool `[I * T_img, E]` (I images of T_img
     features each, written by the vision program at admission and read by the prompt
     pieces holding their placeholder tokens); None for a text-only model.
+    pool_sums: [B, E] float32 with `EngineConfig.pooled_output`, each row's sum of the final-
+    normed hidden states of the prompt tokens its pieces computed (mean pooling); None
+    otherwise.
     """
 
     pages: tuple[jax.Array, ...] | jax.Array
@@ -59,6 +62,7 @@ class DecodeState:
     history: TokenHistory
     cross: CrossCache | None = None
     images: jax.Array | None = None
+    pool_sums: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -71,12 +75,20 @@ class StepOutput:
     For a ragged step C = B + R: column b < B is decode row b's token at each of the k steps,
     column B + r (first step only) the first token of the r-th prompt finished in the step.
     For `Engine.add`, k = 1 and column `i` is the i-th added item (not its slot).
+    pooled: [R, E] float32 with `EngineConfig.pooled_output`, row r the final-normed hidden
+    state of the r-th prompt finished in the step at its last token (the model's
+    `last_hidden_state` there); None otherwise (and for decode-only steps).
+    pooled_mean: [R, E] float32 beside `pooled`, the mean of those hidden states over the
+    prompt's tokens (over those its pieces computed: the whole prompt when no prefix was
+    shared from the prefix cache).
     """
 
     tokens: jax.Array
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    pooled: jax.Array | None = None
+    pooled_mean: jax.Array | None = None
 
     def copy_to_host_async(self) -> None:
         """Starts copying every array to the host without waiting."""

@@ -22,6 +22,7 @@ from metrale_jax.engine.sampling_state import SamplingState, TokenHistory
 from metrale_jax.engine.state import DecodeState, StepOutput
 from metrale_jax.models import seq2seq_ragged
 from metrale_jax.models.kv_quant import is_quantized, stored_head_dim
+from metrale_jax.models.layers import rms_norm
 from metrale_jax.models.paged_attention import use_tpu_kernel
 from metrale_jax.models.ragged import StepLayout, kernel_layout, ragged_layers
 from metrale_jax.models.ragged import head as decoder_head
@@ -58,13 +59,16 @@ class StepShape:
 
     n: decode rows computed (rows 0 .. n-1); chunk: C prefill tokens (0 = decode only);
     finish: R prompts whose first token the step may sample (0 when chunk is 0);
-    decode_steps: k decode steps in the call (k > 1 only without a chunk).
+    decode_steps: k decode steps in the call (k > 1 only without a chunk); pooled: a step
+    with a chunk also returns its finishing prompts' final-normed last hidden states
+    (`EngineConfig.pooled_output`, `SampleInputs.pooled`).
     """
 
     n: int
     chunk: int
     finish: int
     decode_steps: int
+    pooled: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -112,6 +116,10 @@ class SampleInputs:
     [M] bool, whether the token becomes the row's next input (a decoding row, a prompt that
     ended); lengths: [M] int32, the valid positions of each row's token history; steps: [M]
     int32, the step index folded into each row's key; allowed: [M, W] uint32 grammar masks.
+    pooled: [R, E] float32, the final-normed hidden state of each finishing prompt's last
+    token (`StepShape.pooled`; None otherwise): not an input of the sampling program
+    (`StepPrograms.run` moves it to the step's `StepOutput`); pooled_mean: [R, E] float32,
+    the mean of those hidden states over each one's prompt (`StepOutput.pooled_mean`).
     """
 
     logits: jax.Array
@@ -120,6 +128,8 @@ class SampleInputs:
     lengths: jax.Array
     steps: jax.Array
     allowed: jax.Array
+    pooled: jax.Array | None = None
+    pooled_mean: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +165,8 @@ def sample_rows(sc: SampleConfig, shape: SampleShape, state: DecodeState,
 def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_size: int,
                cache_dtype: jnp.dtype, source_len: int = 0, image_rows: int = 0,
                float_dtype: jnp.dtype | None = None, *,
-               stacked_pages: bool = False, window_columns: int = 0) -> DecodeState:
+               stacked_pages: bool = False, window_columns: int = 0,
+               pooled: bool = False) -> DecodeState:
     """An empty decode state: greedy rows at position 0 and zero page pools
     (L x `[num_pages, page_size, 2K, D]`, or `D + 4` int8 rows with their scales for an int8
     cache: `models/kv_quant.py`; `stacked_pages`: one pool `[L, num_pages, ...]` for the
@@ -164,7 +175,8 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
     vision-language model's image feature pool holds `image_rows` rows `[image_rows, E]`.
     Those two are kept in `cache_dtype` when it is a float, else in `float_dtype` (None:
     float32). window_columns: W > 0 gives the sliding layers rings of W pages per row
-    (`WindowedPools`, `models/window_cache.py`)."""
+    (`WindowedPools`, `models/window_cache.py`). pooled: the rows' prompt hidden-state sums
+    (`DecodeState.pool_sums`, `[B, E]` float32) for mean pooling."""
     zeros = jnp.zeros((slots,), jnp.int32)
     shape = (num_pages, page_size, 2 * cfg.num_kv_heads,
              stored_head_dim(cfg.head_dim, cache_dtype))
@@ -186,7 +198,8 @@ def init_state(cfg: ModelConfig, slots: int, length: int, num_pages: int, page_s
         cross=(CrossCache.zeros(cfg, slots, source_len, side)
                if cfg.is_encoder_decoder else None),
         images=(jnp.zeros((image_rows, cfg.hidden_size), side)
-                if cfg.vision is not None else None))
+                if cfg.vision is not None else None),
+        pool_sums=jnp.zeros((slots, cfg.hidden_size), jnp.float32) if pooled else None)
 
 
 def seed_history(state: DecodeState, row: jax.Array, tokens: jax.Array, length: jax.Array,
@@ -210,6 +223,15 @@ def seed_history(state: DecodeState, row: jax.Array, tokens: jax.Array, length: 
     history = TokenHistory(h.tokens.at[row].set(jnp.where(real, tokens, h.tokens[row])),
                            h.counts.at[row].set(counts), h.prompt_seen.at[row].set(seen))
     return dataclasses.replace(state, history=history)
+
+
+def final_hidden(graph: LayerGraph, params: LayerParams, x: jax.Array) -> jax.Array:
+    """A decoder's hidden states `[R, E]` through its final norm, as float32 `[R, E]` (what
+    transformers' `*Model` returns as `last_hidden_state`; `models.ragged.head`'s norm)."""
+    cfg = graph.cfg
+    x = rms_norm(x, params.outer["final_norm"]["weight"][...], cfg.rms_norm_eps,
+                 cfg.norm_weight_offset)
+    return x.astype(jnp.float32)
 
 
 def head(graph, params: LayerParams, x: jax.Array) -> jax.Array:
@@ -277,6 +299,8 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
     fused (`decode_steps`: the decode loop, where a second program per token cost 5% of
     float32 decode) and the call returns StepOutput `[k, B]`. A mixture-of-experts model's
     call returns `(those, counts [L, X] int32)`: its real tokens per layer and expert.
+    With `shape.pooled` the `SampleInputs` also carry the finishing prompts' final-normed
+    last hidden states (`pooled`, `[R, E]` float32: embeddings and rerank scores).
     """
     B, pps = state.tokens.shape[0], page_table.shape[1]
     page_size = pool_page_size(state.pages)
@@ -357,13 +381,21 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         history.tokens.at[rows, chunk.positions].set(chunk.tokens, mode="drop"), counts, seen)
     finish_rows = chunk.finish_rows
     last_pos = chunk.positions[chunk.finish_index]
+    pooled = pooled_mean = pool_sums = None
+    if shape.pooled:  # each chunk token's normed state joins its row's sum
+        normed = final_hidden(graph, params, x[n:])
+        pool_sums = state.pool_sums.at[fresh].set(0.0, mode="drop")
+        pool_sums = pool_sums.at[rows].add(normed, mode="drop")
+        pooled = normed[chunk.finish_index]
+        pooled_mean = (pool_sums[jnp.clip(finish_rows, 0, B - 1)]
+                       / (last_pos + 1).astype(jnp.float32)[:, None])
     new = DecodeState(
         pages,
         new_positions.at[finish_rows].set(last_pos + 1, mode="drop"),
         state.tokens,
         new_steps.at[finish_rows].set(chunk.finish_steps + 1, mode="drop"),
         state.sampling.set_rows(finish_rows, chunk.sampling), history, state.cross,
-        state.images)
+        state.images, pool_sums)
     hidden = jnp.concatenate([x[:n], x[n + chunk.finish_index]])
     inputs = SampleInputs(
         head(graph, params, hidden),
@@ -371,7 +403,7 @@ def ragged_step(graph: LayerGraph, sc: SampleConfig, shape: StepShape, params: L
         jnp.concatenate([live, (finish_rows >= 0) & (finish_rows < B)]),
         jnp.concatenate([positions + 1, last_pos + 1]),
         jnp.concatenate([steps_, chunk.finish_steps]),
-        jnp.concatenate([allowed[:n], chunk.allowed]))
+        jnp.concatenate([allowed[:n], chunk.allowed]), pooled, pooled_mean)
     return new, ((inputs, routed[0]) if routed else inputs)
 
 
@@ -413,7 +445,7 @@ def decode_steps(graph: LayerGraph, sc: SampleConfig, params: LayerParams, state
                            h.counts.at[:n].set(dec_history.counts), h.prompt_seen)
     new = DecodeState(pages, state.positions.at[:n].set(positions),
                       state.tokens.at[:n].set(tokens), state.steps.at[:n].set(steps_),
-                      state.sampling, history, state.cross, state.images)
+                      state.sampling, history, state.cross, state.images, state.pool_sums)
     out = pad_columns(out, B)
     return new, ((out, routed[0]) if routed else out)
 

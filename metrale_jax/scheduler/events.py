@@ -1,11 +1,14 @@
 """The events a request's stream yields: `Token`s, then exactly one terminal event.
 
-Terminal events: `Finished` (eos, stop, length), `Cancelled`, `TimedOut`, `Failed`.
+Terminal events: `Finished` (eos, stop, length), `Pooled` (a pooling request's vector),
+`Cancelled`, `TimedOut`, `Failed`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from metrale_jax.errors import MetraleError
 
@@ -61,6 +64,21 @@ class Finished:
     beams: tuple[BeamHypothesis, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pooled:
+    """A pooling request ended (`GenerationRequest.pooling`): vector `[E] float32`, the final-
+    normed hidden state of its prompt's last token; prompt_tokens: the tokens it read;
+    cached_tokens: those whose keys and values came from the prefix cache; mean: `[E]`
+    float32, the mean of those hidden states over the prompt's tokens whose keys and values
+    were computed (all of them when cached_tokens is 0: an engine without the prefix cache).
+    """
+
+    vector: np.ndarray
+    prompt_tokens: int
+    cached_tokens: int = 0
+    mean: np.ndarray | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Cancelled:
     """The request was cancelled (client gone, or the scheduler stopped)."""
@@ -90,5 +108,5 @@ class Failed:
         return isinstance(self.error, MetraleError)
 
 
-Event = Token | Finished | Cancelled | TimedOut | Failed
-TERMINAL = (Finished, Cancelled, TimedOut, Failed)
+Event = Token | Finished | Pooled | Cancelled | TimedOut | Failed
+TERMINAL = (Finished, Pooled, Cancelled, TimedOut, Failed)

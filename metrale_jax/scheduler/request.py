@@ -41,6 +41,10 @@ class GenerationRequest:
     images: for a vision-language model, the prompt's images (`vision.prompt.PromptImage`:
     each one's placeholder run offset, pixels and content digest), in prompt order; the
     prompt holds `tokens_per_image` placeholder tokens for each. Empty otherwise.
+    pooling: a pooling request (embeddings, rerank scores; needs an engine with
+    `pooled_output`): its prompt is prefilled like any other and, when its last piece ends,
+    the request ends with a `Pooled` event carrying the last token's final-normed hidden
+    state; no token is sampled or streamed, and its row and pages are freed at once.
     """
 
     prompt_ids: tuple[int, ...]
@@ -52,20 +56,21 @@ class GenerationRequest:
     source: tuple[int, ...] = ()
     images: tuple[Any, ...] = ()
     tenant_slots: int | None = None
+    pooling: bool = False
 
     @classmethod
     def make(cls, prompt_ids: Sequence[int], params: SamplingParams,
              timeout: float | None = None, request_id: str | None = None,
              tenant: str | None = None, cache_salt: str | None = None,
              source: Sequence[int] = (), images: Sequence[Any] = (),
-             tenant_slots: int | None = None) -> GenerationRequest:
+             tenant_slots: int | None = None, pooling: bool = False) -> GenerationRequest:
         """Builds a request; `timeout` seconds from now becomes the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         kw = {"request_id": request_id} if request_id else {}
         return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline,
                    tenant=tenant, cache_salt=cache_salt,
                    source=tuple(int(t) for t in source), images=tuple(images),
-                   tenant_slots=tenant_slots, **kw)
+                   tenant_slots=tenant_slots, pooling=pooling, **kw)
 
 
 class RequestHandle:

@@ -126,9 +126,9 @@ class Rows:
                 seq.handle.post(event(seq))
 
     def decoding(self) -> list[Sequence | None]:
-        """The slots' sequences that decode (None for free rows, rows still prefilling and
-        beam rows waiting for their search's next step)."""
-        return [s if s is not None and s.fed >= len(s.feed)
+        """The slots' sequences that decode (None for free rows, rows still prefilling,
+        pooling requests and beam rows waiting for their search's next step)."""
+        return [s if s is not None and s.fed >= len(s.feed) and not s.request.pooling
                 and (s.beam is None or s.beam.ready) else None for s in self.seqs]
 
     def decode_owners(self, active: np.ndarray) -> list[tuple[int, int, Sequence]]:

@@ -4,7 +4,8 @@ A step runs every decoding row's next token(s) plus the chunk of prompt pieces t
 `ChunkPlanner` chose (or, when rows may draft and no prompt is being prefilled, a verify step
 of `Speculation`). Its output starts copying to the host at once and is read on a later
 iteration (`read`), so the device is never idle while Python detokenizes: each owner row's
-tokens go to its sequence, a beam row's top list to its search (`BeamRows`).
+tokens go to its sequence, a beam row's top list to its search (`BeamRows`), a pooling
+request's vector (`StepOutput.pooled`) to its caller as its `Pooled` end.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from metrale_jax.scheduler.beam_rows import BeamRows
 from metrale_jax.scheduler.chunks import ChunkPlanner
+from metrale_jax.scheduler.events import Pooled
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.rows import Pending, Rows
 from metrale_jax.scheduler.speculation import Speculation
@@ -121,6 +123,10 @@ class StepRunner:
             if self.rows[slot] is not seq or seq.finished:
                 continue
             self.grammar.consumed(slot)
+            if seq.request.pooling:
+                self._end_pooled(slot, seq, np.asarray(out.pooled)[col - B],
+                                 np.asarray(out.pooled_mean)[col - B])
+                continue
             if seq.beam is not None:
                 self.beams.output(seq, top_ids[0, col], top_lps[0, col])
                 continue
@@ -141,10 +147,20 @@ class StepRunner:
                 seq.post_final()
         self.state = self.beams.flush(self.state)
 
+    def _end_pooled(self, slot: int, seq: Any, vector: np.ndarray, mean: np.ndarray) -> None:
+        """A pooling request's prompt is in: its row is freed and it ends with `Pooled`
+        (`vector`: `[E]` float32, its last token's final-normed hidden state; `mean`: their
+        mean over the prompt)."""
+        seq.finished = True
+        self.rows.free(slot)
+        self.stats["finished"] += 1
+        seq.handle.post(Pooled(np.array(vector, np.float32), seq.input_tokens,
+                               seq.cached_tokens or 0, np.array(mean, np.float32)))
+
 
 def _start_copy(output: Any) -> None:
     """Starts the device-to-host copy of a step output without waiting for it."""
-    for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "pooled", "pooled_mean"):
         arr = getattr(output, name, None)
         if hasattr(arr, "copy_to_host_async"):
             arr.copy_to_host_async()

@@ -45,6 +45,7 @@ class RequestValidator:
         n = len(request.prompt_ids)
         if n == 0:
             raise InvalidParameterError("the prompt must not be empty", param="prompt")
+        self.check_pooling(request)
         self.check_source(request)
         self.check_images(request)
         self.check_token_ids(request)
@@ -58,6 +59,19 @@ class RequestValidator:
                 f"speculative num_tokens must be at most {most} here (the server's "
                 "--speculative-tokens)", param="speculative")
         self.check_length(request)
+
+    def check_pooling(self, request: GenerationRequest) -> None:
+        """A pooling request needs an engine whose steps return pooled hidden states, and
+        samples nothing (no beams, grammar or speculation)."""
+        if not request.pooling:
+            return
+        if not self.engine.config.pooled_output:
+            raise InvalidParameterError("this engine does not serve pooling requests "
+                                        "(EngineConfig.pooled_output is off)", param="input")
+        p = request.params
+        if p.num_beams != 1 or p.constraint is not None or p.speculative_tokens:
+            raise InvalidParameterError("a pooling request samples no tokens: no beams, "
+                                        "constraints or speculation", param="input")
 
     def check_source(self, request: GenerationRequest) -> None:
         """A translation model's request has a source text in its vocabulary; a decoder-only

@@ -39,7 +39,7 @@ from metrale_jax.weights.default_model import (
 )
 from metrale_jax.weights.gguf_reader import read_gguf
 from metrale_jax.weights.loaded import Checkpoint, Format
-from metrale_jax.weights.safetensors_reader import read_safetensors
+from metrale_jax.weights.safetensors_reader import read_safetensors, with_model_prefix
 
 __all__ = ["Checkpoint", "Format", "ShardingsHook", "load_checkpoint", "resolve"]
 
@@ -149,7 +149,7 @@ def load_checkpoint(model: str | Path, dtype: str | None = None, *,
         config = dataclasses.replace(read_hf_config(path), quantization=quantization)
         if shardings is not None:
             shardings(config, dtype)
-        tensors = read_safetensors(path)
+        tensors = with_model_prefix(read_safetensors(path))  # a bare `*Model` folder too
         if config.vision is not None:  # LLaVA: the text model's tensors, and the vision half
             from metrale_jax.weights.llava_reader import (
                 assemble_vision,

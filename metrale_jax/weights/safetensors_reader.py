@@ -42,3 +42,13 @@ def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
     return tensors
+
+
+def with_model_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A decoder's tensors under the names of its `*ForCausalLM` (`model.embed_tokens...`):
+    a folder saved from the bare `*Model` (Qwen3-Embedding's: `embed_tokens.weight`,
+    `layers.{i}...`, `norm.weight`, no `lm_head`) has its names prefixed with "model.";
+    any other set of tensors is returned as it is."""
+    if "embed_tokens.weight" not in tensors or any(k.startswith("model.") for k in tensors):
+        return tensors
+    return {k if k.startswith("lm_head.") else f"model.{k}": v for k, v in tensors.items()}
