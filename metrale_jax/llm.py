@@ -111,6 +111,8 @@ class LLM:
         from metrale_jax.engine.placement import PlacementHook
         self.pooler = None
         self._scheduler = None
+        self.checkpoint: Checkpoint | None = None  # None for a pooling model
+        self.loras: dict[str, Any] = {}
         pooling = pooling_task(model, task)
         if pooling is not None:  # an embedding or reranking model: embed() and score()
             self.pooler = load_pooler(model, pooling, dtype=dtype, max_slots=max_slots,
@@ -123,7 +125,7 @@ class LLM:
         self._placement = PlacementHook(EngineConfig(
             max_slots=max_slots, max_len=max_len, mesh=mesh, memory_gb=memory_gb,
             **engine_options))
-        self.checkpoint: Checkpoint = load_checkpoint(
+        self.checkpoint = load_checkpoint(
             model, dtype, shardings=self._placement,
             quantization=engine_options.get("quantization"))
         self._template = None
@@ -244,6 +246,7 @@ class LLM:
         self.close()
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        self._refuse_generation()
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
@@ -386,6 +389,8 @@ class LLM:
     @property
     def tokenizer(self):
         """The model's tokenizer: `encode(text) -> list[int]`, `decode(ids) -> str`."""
+        if self.pooler is not None:
+            return self.pooler.tokenizer
         return self.checkpoint.tokenizer
 
     @functools.cached_property

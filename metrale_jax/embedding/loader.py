@@ -83,5 +83,6 @@ def load_pooler(model: str | Path, task: Task, *, dtype: str | None = None,
             compilation_cache_dir=options.get("compilation_cache_dir",
                                               EngineConfig().compilation_cache_dir))
     from metrale_jax.embedding.decoder_pooler import load_decoder_pooler
-    return load_decoder_pooler(path, task, dtype=dtype, max_slots=max_slots, max_len=max_len,
-                               **options)
+    # compiled by the caller's `warmup()` (the whole grid), not while loading
+    return load_decoder_pooler(path, task, dtype=dtype or "float32", warmup="none",
+                               max_slots=max_slots, max_len=max_len, **options)

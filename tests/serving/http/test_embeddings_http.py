@@ -28,11 +28,11 @@ SENTENCES = ["A cat sat on the warm mat by the door.", "Stocks fell sharply on M
 NOON = 1_767_225_600.0 + 12 * 3600
 
 
-def _serve(folder, name: str, **kw):
+def _serve(folder, name: str, max_len: int = 64, **kw):
     from serving.http.server import ServerThread
     from serving.http.settings import ServerSettings
     settings = ServerSettings(model=str(folder), served_model_name=name, port=0, max_slots=8,
-                              max_len=64, warmup="full", **kw)
+                              max_len=max_len, warmup="full", **kw)
     srv = ServerThread(settings).start()
     assert srv.wait_ready(timeout=600), srv.state.runtime.error
     wait_healthy(srv.url)
@@ -333,3 +333,38 @@ def test_keys_limits_dumps_and_metrics_count_embeddings(embedder, tmp_path):
         assert [x["status"] for x in lines].count(429) == 1
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def decoder_embedder(tmp_path_factory):
+    from devtools.hf_models import build_decoder_embedder
+    folder = build_decoder_embedder(tmp_path_factory.mktemp("decoder") / "tiny-embedder")
+    srv = _serve(folder, "tiny-decoder-embedder", max_len=256,
+                 engine_options={"max_prefill_len": 32, "min_prefill_bucket": 16,
+                                 "page_size": 16, "max_prefill_batch": 2})
+    yield folder, srv
+    srv.stop()
+
+
+def test_a_decoder_embedder_serves_through_the_ragged_steps(decoder_embedder, schemas):
+    """A decoder folder with sentence-transformers' last-token Pooling (Qwen3-Embedding's
+    layout) is served for embeddings from its files alone: the vectors equal
+    sentence-transformers', inputs longer than a step's prompt budget included; it
+    generates nothing; its pages are all free afterwards."""
+    from sentence_transformers import SentenceTransformer
+    folder, srv = decoder_embedder
+    texts = ["The quick brown fox jumps over the lazy dog.", "short",
+             "A longer input that the ragged steps split into several prompt pieces. " * 2]
+    status, _, body = post(srv.url, "/v1/embeddings", {"input": texts})
+    assert status == 200, body
+    schemas.validate("CreateEmbeddingResponse", body)
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts)
+    got = np.array([d["embedding"] for d in body["data"]])
+    assert body["usage"]["prompt_tokens"] > 32  # one input spans several steps
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    card = get_json(srv.url, "/v1/models")["data"][0]
+    assert card["task"] == "embedding" and card["pooling"]["kind"] == "decoder-embedding"
+    assert _error(srv.url, "/v1/chat/completions",
+                  {"messages": [{"role": "user", "content": "hi"}]}, schemas)["param"] == "model"
+    pages = srv.state.runtime.pooler.scheduler.engine.pages
+    assert pages.free_pages == pages.usable_pages
