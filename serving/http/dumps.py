@@ -84,8 +84,9 @@ MEDIA_PART_TYPES = ("input_audio", "audio_url", "file", "video_url")
 _KEEP_KEYS = frozenset({"type", "role", "name", "id", "tool_call_id"})
 """Keys of a message, content part or tool call kept as they are by `redact_body`."""
 
-_PROMPT_KEYS = ("prompt", "input", "suffix")
-"""Top-level body fields that carry prompt text (besides `messages`)."""
+_PROMPT_KEYS = ("prompt", "input", "suffix", "query", "documents", "text_1", "text_2")
+"""Top-level body fields that carry prompt text (besides `messages`): a generation's, an
+embedding request's inputs, a rerank's query and documents, a score's texts."""
 
 
 class DumpError(TypedDict):
@@ -186,7 +187,8 @@ def redact_body(body: dict[str, Any]) -> dict[str, Any]:
     or as parts, `tool_calls[*].function.arguments`, `reasoning_content`): strings and text
     parts become `"<redacted N chars>"`, image parts `{"type": T, T: "<image>"}`, audio, video
     and file parts `{"type": T, T: "<audio>"}` and so on. `prompt`, `input` and `suffix`
-    likewise (strings, lists of strings, token ids as `"<redacted N tokens>"`). Everything else
+    likewise (strings, lists of strings, token ids as `"<redacted N tokens>"`), and the
+    pooling routes' `query`, `documents` and `text_1` / `text_2`. Everything else
     (model, sampling parameters, tools, response_format) is kept.
     """
     out = dict(body)

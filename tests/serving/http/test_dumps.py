@@ -146,6 +146,11 @@ def test_redact_body_keeps_parameters_and_replaces_prompts():
     assert redact_body({"input": ["hello"]})["input"] == ["<redacted 5 chars>"]
     assert "hello" not in json.dumps(redact_body({"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "hello"}]}]}))
+    rerank = redact_body({"query": "cat", "documents": ["a cat", {"text": "dogs"}], "top_n": 1})
+    assert rerank == {"query": "<redacted 3 chars>", "top_n": 1,
+                      "documents": ["<redacted 5 chars>", {"text": "<redacted 4 chars>"}]}
+    assert redact_body({"text_1": "ab", "text_2": ["abc"]}) == {
+        "text_1": "<redacted 2 chars>", "text_2": ["<redacted 3 chars>"]}
 
 
 def test_a_redacting_dumper_redacts_body_and_texts(tmp_path):
