@@ -4,14 +4,20 @@ A grid is every (R rows, S positions) pair of power-of-two row buckets and lengt
 with R * S within a token budget (R = 1 always allowed), S up to the model's limit (the last
 length bucket is the limit itself when it is not a power of two). A set of inputs is sorted
 longest first; each batch takes the longest inputs left, in the smallest length bucket that
-holds the first, up to the most rows that bucket allows, rounded up to a row bucket whose
-free rows are filled with the next (shorter) inputs.
+holds the first, up to the most rows that bucket allows: as many as a row bucket holds,
+rounded up to the next row bucket (its free rows filled with the next, shorter, inputs) when
+they fill most of it, else down (the rest go in the next batch), so that few short inputs
+are padded to a long bucket.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
+FILL_RATIO = 0.75
+"""A batch rounds its rows up to the next row bucket when its inputs of that length fill at
+least this share of it (the rest filled with shorter inputs), else down."""
 
 
 def powers_of_two(low: int, high: int) -> list[int]:
@@ -63,8 +69,10 @@ class BucketGrid:
             same = at
             while same < len(order) and self.length_for(lengths[order[same]]) == S:
                 same += 1
-            take = min(same - at, allowed[-1])
-            R = next(r for r in allowed if r >= take)
+            n = min(same - at, allowed[-1])
+            up = next(r for r in allowed if r >= n)
+            down = max(r for r in allowed if r <= n)
+            R = up if n >= FILL_RATIO * up else down
             take = min(R, len(order) - at)
             batches.append((R, S, order[at:at + take]))
             at += take

@@ -76,7 +76,8 @@ class EncoderPooler(Pooler):
             matryoshka=setup.matryoshka and not cross,
             pooling=None if cross else "+".join(setup.pooling), normalize=setup.normalize)
         self.grid = bucket_grid(setup.max_tokens, max_rows, token_budget, min_length)
-        self.runner = EncoderRunner(model, setup.pooling, setup.normalize, self.grid)
+        self.runner = EncoderRunner(model, setup.pooling, setup.normalize, self.grid,
+                                    setup.activation)
 
     # ---- tokens ----------------------------------------------------------------------------
 
@@ -123,7 +124,8 @@ class EncoderPooler(Pooler):
     def score_texts(self, query: str, documents: Sequence[str],
                     truncate: bool = False) -> tuple[np.ndarray, int]:
         """Scores `[N] float32` of the documents against `query` and the tokens read (see
-        `Pooler.score_texts`): a cross-encoder's sigmoid of its logit per pair, an
+        `Pooler.score_texts`): a cross-encoder's logit per pair through its activation
+        (sigmoid unless its config names another, as `CrossEncoder.predict`), an
         embedder's cosine similarity."""
         limit = self.info.max_input_tokens
         if self.setup.cross_encoder:

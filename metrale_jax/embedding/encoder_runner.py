@@ -3,7 +3,7 @@ that batches every caller's inputs together.
 
 Each program runs the encoder over R inputs of up to S tokens (an (R, S) of the
 `BucketGrid`) and returns one row per input: the pooled (and maybe L2-normalized) vector for
-an embedding model, the sigmoid of the classification logit for a cross-encoder. Pooling and
+an embedding model, the classification logit through its activation for a cross-encoder. Pooling and
 normalization are inside the program, so only `[R, E]` floats come back to the host.
 
 Callers (`run`, any thread) put their inputs on a queue and wait; the worker takes every
@@ -41,15 +41,19 @@ from metrale_jax.models.bert import BertEncoder
 log = logging.getLogger(__name__)
 
 
+SCORE_ACTIVATIONS = {"sigmoid": jax.nn.sigmoid, "identity": lambda x: x, "tanh": jnp.tanh}
+
+
 def encoder_program(graphdef: nnx.GraphDef, pooling: tuple[str, ...], normalize: bool,
-                    state: Any, ids: jax.Array, types: jax.Array, lens: jax.Array) -> jax.Array:
+                    activation: str, state: Any, ids: jax.Array, types: jax.Array,
+                    lens: jax.Array) -> jax.Array:
     """One batch: ids, types `[R, S] int32` (right-padded), lens `[R] int32` -> `[R, X]`
     float32: the pooled vectors (X = E * modes) when `pooling`, else the cross-encoder's
-    sigmoid scores (X = 1)."""
+    logits through `activation` (X = num_labels)."""
     model = nnx.merge(graphdef, state)
     hidden = model(ids, types, lens)
     if not pooling:
-        return jax.nn.sigmoid(model.classify(hidden))
+        return SCORE_ACTIVATIONS[activation](model.classify(hidden))
     vectors = pool(hidden, lens, pooling)
     return l2_normalize(vectors) if normalize else vectors
 
@@ -68,21 +72,23 @@ class EncoderRunner:
     """The encoder's programs and the worker thread that batches callers' inputs.
 
     model: the `BertEncoder` (params moved to the first device); pooling: the pooling modes
-    (empty: a cross-encoder, scores out); normalize: L2-normalize the pooled vectors; grid:
-    the program shapes. Attributes: grid, out_dim X (the width of a result row)."""
+    (empty: a cross-encoder, scores out); normalize: L2-normalize the pooled vectors;
+    activation: a cross-encoder's score of its logit (`SCORE_ACTIVATIONS`); grid: the
+    program shapes. Attributes: grid, out_dim X (the width of a result row)."""
 
     def __init__(self, model: BertEncoder, pooling: Sequence[str], normalize: bool,
-                 grid: BucketGrid):
+                 grid: BucketGrid, activation: str = "sigmoid"):
         self.grid = grid
         self.pooling = tuple(pooling)
         cfg = model.cfg
-        self.out_dim = cfg.hidden_size * len(self.pooling) if self.pooling else 1
+        self.out_dim = cfg.hidden_size * len(self.pooling) if self.pooling else cfg.num_labels
         mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
         replicated = NamedSharding(mesh, PartitionSpec())
         graphdef, state = nnx.split(model)
         self._state = jax.device_put(state, replicated)
         self._state_spec = abstract(self._state)
-        self._fn = jax.jit(functools.partial(encoder_program, graphdef, self.pooling, normalize))
+        self._fn = jax.jit(functools.partial(encoder_program, graphdef, self.pooling, normalize,
+                                             activation))
         self.cache = ProgramCache(replicated)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._closed = False
@@ -190,4 +196,4 @@ class EncoderRunner:
             at += len(j.inputs)
 
 
-__all__ = ["EncoderRunner", "encoder_program"]
+__all__ = ["SCORE_ACTIVATIONS", "EncoderRunner", "encoder_program"]

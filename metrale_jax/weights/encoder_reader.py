@@ -15,7 +15,9 @@ Without `modules.json` a `*Model` folder is mean-pooled and not normalized (what
 `SentenceTransformer(folder)` builds for a bare encoder), and its limit is the tokenizer's
 `model_max_length` capped by `max_position_embeddings` (as sentence-transformers caps it),
 less RoBERTa's position offset. A `*ForSequenceClassification` folder is a cross-encoder
-(`CrossEncoder`'s default activation: sigmoid for one label; more labels are refused).
+scored as `CrossEncoder.predict` scores: through the activation its config names
+(`sentence_transformers.activation_fn`: Sigmoid, Identity or Tanh), else sigmoid, its
+default for one label (more labels are refused).
 
 Tensor names: transformers' (`embeddings.word_embeddings.weight`,
 `encoder.layer.{i}.attention.self.query.weight`, ...), bare as sentence-transformers saves
@@ -58,7 +60,8 @@ class EncoderSetup:
     (`token_types`: False when `tokenizer_config.json`'s `model_input_names` leaves them
     out, as transformers then passes none: every type 0); prompt: the text put before every
     input text (`config_sentence_transformers.json`'s `default_prompt_name`, as `encode`
-    does when given no prompt)."""
+    does when given no prompt); activation: a cross-encoder's score of its logit, "sigmoid",
+    "identity" or "tanh"."""
 
     model_folder: Path
     config: BertConfig
@@ -69,6 +72,7 @@ class EncoderSetup:
     matryoshka: bool = False
     token_types: bool = True
     prompt: str = ""
+    activation: str = "sigmoid"
 
     @property
     def cross_encoder(self) -> bool:
@@ -176,6 +180,23 @@ def _pooling(folder: Path) -> tuple[tuple[str, ...], bool, Path | None]:
     return pooling, normalize, st_folder
 
 
+ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Tanh": "tanh"}
+
+
+def _score_activation(raw: dict, source: Path) -> str:
+    """The activation `CrossEncoder` puts on the logit: the config's
+    `sentence_transformers.activation_fn` (or the older `sbert_ce_default_activation_function`)
+    by its class name, else sigmoid."""
+    path = (raw.get("sentence_transformers") or {}).get("activation_fn") or raw.get(
+        "sbert_ce_default_activation_function")
+    if not path:
+        return "sigmoid"
+    name = str(path).rsplit(".", 1)[-1]
+    if name not in ACTIVATIONS:
+        raise CheckpointError(f"{source}: cross-encoder activation {path!r} is not supported")
+    return ACTIVATIONS[name]
+
+
 def _default_prompt(path: Path) -> str:
     if not path.is_file():
         return ""
@@ -201,12 +222,15 @@ def read_encoder_setup(path: Path | str) -> EncoderSetup:
     if not is_encoder_folder(folder):
         raise CheckpointError(f"{folder}: not a BERT / RoBERTa / XLM-RoBERTa folder")
     model_folder = _transformer_folder(folder)
-    cfg = read_bert_config(_json(model_folder / "config.json"), model_folder / "config.json")
+    raw_config = _json(model_folder / "config.json")
+    cfg = read_bert_config(raw_config, model_folder / "config.json")
+    activation = "sigmoid"
     if cfg.num_labels:
         if cfg.num_labels != 1:
             raise CheckpointError(f"{model_folder}/config.json: a cross-encoder with "
                                   f"{cfg.num_labels} labels has no single relevance score")
         pooling, normalize, st_folder = (), False, None
+        activation = _score_activation(raw_config, model_folder / "config.json")
     else:
         pooling, normalize, st_folder = _pooling(folder)
     limit = None
@@ -230,7 +254,7 @@ def read_encoder_setup(path: Path | str) -> EncoderSetup:
                              model_folder / "config.json")
     prompt = "" if cfg.num_labels else _default_prompt(folder / "config_sentence_transformers.json")
     return EncoderSetup(model_folder, cfg, pooling, normalize, limit, lowercase, matryoshka,
-                        token_types, prompt)
+                        token_types, prompt, activation)
 
 
 def _linear(w: np.ndarray) -> np.ndarray:

@@ -45,6 +45,15 @@ def test_plan_fills_a_row_bucket_with_shorter_inputs():
     assert batches[1] == (1, 16, [3])
 
 
+def test_plan_rounds_rows_down_when_few_inputs_would_fill_the_bucket():
+    grid = bucket_grid(32, max_rows=8, token_budget=256)
+    # five long inputs: a batch of 4 and one of 1, not 8 rows of 32 with 3 short ones padded
+    batches = grid.plan([30] * 5 + [3] * 3)
+    assert [(R, S, len(i)) for R, S, i in batches] == [(4, 32, 4), (1, 32, 1), (4, 16, 3)]
+    batches = grid.plan([30] * 5 + [3] * 8)
+    assert [(R, S, len(i)) for R, S, i in batches] == [(4, 32, 4), (1, 32, 1), (8, 16, 8)]
+
+
 def test_plan_refuses_an_input_longer_than_the_largest_bucket():
     with pytest.raises(ValueError, match="longer than the largest bucket"):
         bucket_grid(32).plan([33])

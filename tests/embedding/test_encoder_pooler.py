@@ -235,3 +235,10 @@ def test_reader_recognizes_folders_and_matryoshka(bert_folder, cross_folder, tmp
     path.write_text(json.dumps({**raw, "default_prompt_name": "query",
                                 "prompts": {"query": "query: ", "document": ""}}))
     assert read_encoder_setup(copy).prompt == "query: "
+    assert read_encoder_setup(cross_folder).activation == "sigmoid"
+    cross = tmp_path / "c"
+    shutil.copytree(cross_folder, cross)
+    raw = json.loads((cross / "config.json").read_text())
+    raw["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (cross / "config.json").write_text(json.dumps(raw))
+    assert read_encoder_setup(cross).activation == "identity"
