@@ -12,6 +12,7 @@ to the model's limit, as sentence-transformers and `CrossEncoder` truncate.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -160,13 +161,17 @@ class EncoderPooler(Pooler):
 
 def load_encoder_pooler(path: Path | str, dtype: str = "float32", *, max_rows: int = 256,
                         token_budget: int = 8192, min_length: int = 16,
-                        compilation_cache_dir: str | None = None) -> EncoderPooler:
+                        compilation_cache_dir: str | None = None,
+                        max_len: int | None = None) -> EncoderPooler:
     """An `EncoderPooler` for the encoder folder at `path` (a sentence-transformers folder or
     a bare HF `Bert*` / `XLMRoberta*` / `Roberta*` one) with params in `dtype`; the grid
     options as `EncoderPooler`'s; compilation_cache_dir: turns on JAX's persistent cache
-    there (None: left as it is). Not warmed up: call `warmup()`."""
+    there (None: left as it is); max_len: a limit on the inputs below the model's own (None:
+    the model's). Not warmed up: call `warmup()`."""
     enable_compilation_cache(compilation_cache_dir)
     setup = read_encoder_setup(path)
+    if max_len is not None and max_len < setup.max_tokens:
+        setup = dataclasses.replace(setup, max_tokens=max_len)
     model = load_bert_params(setup, dtype)
     tokenizer = load_tokenizer(setup.model_folder)
     return EncoderPooler(setup, model, tokenizer, max_rows=max_rows,

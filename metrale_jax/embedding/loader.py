@@ -77,7 +77,7 @@ def load_pooler(model: str | Path, task: Task, *, dtype: str | None = None,
     if fmt == "hf" and is_encoder_folder(path):
         from metrale_jax.embedding.encoder_pooler import load_encoder_pooler
         return load_encoder_pooler(
-            path, dtype=dtype or "float32",
+            path, dtype=dtype or "float32", max_len=max_len,
             max_rows=int(options.get("max_rows", ENCODER_MAX_ROWS)),
             token_budget=int(options.get("token_budget", ENCODER_TOKEN_BUDGET)),
             compilation_cache_dir=options.get("compilation_cache_dir",
