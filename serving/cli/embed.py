@@ -79,6 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--truncate", action="store_true",
                    help="cut query-text pairs longer than the model's limit instead of "
                    "failing")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="params and compute dtype (default float32; bfloat16 on TPU/GPU)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_embed)

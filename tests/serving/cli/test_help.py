@@ -8,7 +8,8 @@ import pytest
 
 from serving.cli import build_parser, main
 
-COMMANDS = ("pull", "convert", "generate", "serve", "models", "chat", "bench", "top", "replay")
+COMMANDS = ("pull", "convert", "generate", "embed", "serve", "models", "chat", "bench", "top",
+            "replay")
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
