@@ -4,6 +4,7 @@ that generates text or a bad flag is exit 2 with one line."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from devtools.hf_models import build_tiny_checkpoint
 from metrale_jax.weights.default_model import model_path
+from tests.serving.conftest import run_main
 
 TEXTS = ["a cat on the mat", "stock prices fell", "the cat sleeps"]
 
@@ -31,38 +33,41 @@ def embedder(tmp_path_factory):
                                normalize=True, max_seq_length=32)
 
 
-def test_embed_prints_vectors_and_scores(embedder):
-    """Vectors (one JSON array a line, from arguments or stdin) equal sentence-transformers';
-    `--query` prints each text's cosine to the query, best first."""
+def test_embed_prints_vectors_and_scores(embedder, capsys, monkeypatch):
+    """Vectors (one JSON array a line, from arguments in a subprocess, or from stdin) equal
+    sentence-transformers'; `--query` prints each text's cosine to the query, best first."""
     from sentence_transformers import SentenceTransformer
     r = metrale("embed", "--model", str(embedder), *TEXTS)
     assert r.returncode == 0, r.stderr
     got = np.array([json.loads(line) for line in r.stdout.splitlines()])
     expected = SentenceTransformer(str(embedder), device="cpu").encode(TEXTS)
     np.testing.assert_allclose(got, expected, atol=1e-5)
-    piped = metrale("embed", "--model", str(embedder), "--json", stdin="\n".join(TEXTS) + "\n")
-    assert piped.returncode == 0, piped.stderr
-    np.testing.assert_allclose(json.loads(piped.stdout)["embeddings"], got, atol=1e-6)
-    ranked = metrale("embed", "--model", str(embedder), "--query", TEXTS[0], "--json",
-                     *TEXTS[1:])
-    assert ranked.returncode == 0, ranked.stderr
-    rows = json.loads(ranked.stdout)
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TEXTS) + "\n"))
+    code, out, err = run_main(capsys, "embed", "--model", str(embedder), "--json")
+    assert code == 0, err
+    np.testing.assert_allclose(json.loads(out)["embeddings"], got, atol=1e-6)
+    code, out, err = run_main(capsys, "embed", "--model", str(embedder), "--query", TEXTS[0],
+                              "--json", *TEXTS[1:])
+    assert code == 0, err
+    rows = json.loads(out)
     cos = got[1:] @ got[0]
     assert [row["index"] for row in rows] == list(np.argsort(-cos, kind="stable"))
     np.testing.assert_allclose([row["score"] for row in rows], np.sort(cos)[::-1], atol=1e-5)
 
 
-def test_embed_refuses_what_it_cannot_do(embedder, tmp_path):
+def test_embed_refuses_what_it_cannot_do(embedder, tmp_path, capsys):
     """A model that generates text, Matryoshka dimensions on a model not trained for them,
-    and a text over the limit: exit 2 with one line, no traceback."""
+    and a text over the limit: exit 2 with one line (the same `main` the console script
+    runs, here in process)."""
     tiny = build_tiny_checkpoint(tmp_path / "llama")
     cases = (("--model", str(tiny), "hi"),
              ("--model", str(embedder), "--dimensions", "4", "hi"),
              ("--model", str(embedder), " ".join(["word"] * 50)))
+    capsys.readouterr()  # the checkpoint writer's progress bar
     for args in cases:
-        r = metrale("embed", *args)
-        assert r.returncode == 2, (args, r.stderr)
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        code, _, err = run_main(capsys, "embed", *args)
+        assert code == 2, (args, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_python_api_embed_and_score(embedder):

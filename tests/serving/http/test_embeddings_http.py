@@ -28,11 +28,17 @@ SENTENCES = ["A cat sat on the warm mat by the door.", "Stocks fell sharply on M
 NOON = 1_767_225_600.0 + 12 * 3600
 
 
-def _serve(folder, name: str, max_len: int = 64, **kw):
+ENCODER_GRID = {"max_rows": 8, "token_budget": 256}
+"""A small program grid (rows 1 .. 8, at most 256 tokens a program): few compiles."""
+
+
+def _serve(folder, name: str, max_len: int = 64, engine_options: dict | None = None,
+           warmup: str = "full", **kw):
     from serving.http.server import ServerThread
     from serving.http.settings import ServerSettings
     settings = ServerSettings(model=str(folder), served_model_name=name, port=0, max_slots=8,
-                              max_len=max_len, warmup="full", **kw)
+                              max_len=max_len, warmup=warmup,
+                              engine_options=engine_options or ENCODER_GRID, **kw)
     srv = ServerThread(settings).start()
     assert srv.wait_ready(timeout=600), srv.state.runtime.error
     wait_healthy(srv.url)
@@ -339,7 +345,7 @@ def test_keys_limits_dumps_and_metrics_count_embeddings(embedder, tmp_path):
 def decoder_embedder(tmp_path_factory):
     from devtools.hf_models import build_decoder_embedder
     folder = build_decoder_embedder(tmp_path_factory.mktemp("decoder") / "tiny-embedder")
-    srv = _serve(folder, "tiny-decoder-embedder", max_len=256,
+    srv = _serve(folder, "tiny-decoder-embedder", max_len=256, warmup="none",
                  engine_options={"max_prefill_len": 32, "min_prefill_bucket": 16,
                                  "page_size": 16, "max_prefill_batch": 2})
     yield folder, srv
