@@ -18,7 +18,7 @@ from metrale_jax.embedding.decoder_pooler import (
 )
 from metrale_jax.errors import ContextLengthError, InvalidParameterError
 
-ENGINE = dict(max_slots=4, max_len=256, min_prefill_bucket=16, max_prefill_len=64,
+ENGINE = dict(max_slots=2, max_len=256, min_prefill_bucket=16, max_prefill_len=64,
               page_size=16, max_prefill_batch=2)
 """A step carries at most 64 prompt tokens: a longer input is split across steps."""
 RERANK_ENGINE = {**ENGINE, "max_len": 512}
