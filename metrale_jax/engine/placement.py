@@ -76,6 +76,15 @@ class Placement:
     plan: MemoryPlan
     config: EngineConfig
 
+    @property
+    def device_bytes(self) -> int:
+        """What the engine holds on each device: params, the KV page pool (`config.num_pages`
+        pages), the sliding-window rings and the step scratch (the plan's reserve, shared
+        by whatever else runs on the device, is not counted)."""
+        pool = self.config.resolved_num_pages * self.config.page_size * self.plan.token_bytes
+        return (self.plan.param_bytes + pool + self.plan.window_bytes
+                + self.plan.scratch_bytes)
+
     def make_mesh(self) -> Mesh:
         """The `("data", "model")` mesh over the first data x model devices."""
         return make_mesh(*self.mesh_shape)

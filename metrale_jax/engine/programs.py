@@ -97,7 +97,9 @@ class ProgramCache:
     replicated: the sharding given to every input spec that has none (host inputs are small
     and every process passes the same values); store: where compiled programs are kept and
     loaded from without tracing (`executable_store.py`; None: nowhere). Attributes:
-    compile_count, programs compiled (or loaded) so far; compiled_on, the name of the thread
+    compile_count, programs compiled (or loaded) so far; fresh_count, those XLA compiled
+    (not loaded from the executable store or JAX's persistent cache); compiled_on, the name of
+    the thread
     that compiled each key (warmups compile on `COMPILE_THREAD` threads; any other name: a
     program compiled on first use)."""
 
@@ -105,6 +107,7 @@ class ProgramCache:
         self.replicated = replicated
         self.store = store
         self.compile_count = 0
+        self.fresh_count = 0
         self._compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         self.compiled_on: dict[tuple, str] = {}  # the thread that compiled each program
@@ -129,6 +132,7 @@ class ProgramCache:
         t0 = time.perf_counter()
         placed = self._placed(specs)
         exe = self.store.load(key, placed) if self.store is not None else None
+        fresh = False
         if exe is None:
             exe, fresh = compile_fresh(lambda: fn.lower(*placed))
             if self.store is not None and fresh:
@@ -138,6 +142,7 @@ class ProgramCache:
                 self._compiled[key] = exe
                 self.compiled_on[key] = threading.current_thread().name
                 self.compile_count += 1
+                self.fresh_count += int(fresh)
         log.debug("compiled %s in %.2f s", key, time.perf_counter() - t0)
         return self._compiled[key]
 

@@ -60,12 +60,54 @@ def check_flags(args: argparse.Namespace) -> None:
         raise MetraleError("--speculative-tokens must be from 0 (off) to 32")
     _check_media_flags(args)
     _check_access_flags(args)
+    _check_model_flags(args)
     args.loras = _lora_flags(args.lora)
     if args.loras and not 1 <= len(args.loras) <= args.max_loras:
         raise MetraleError(f"{len(args.loras)} LoRA adapters for --max-loras {args.max_loras}")
     if args.max_lora_rank < 1:
         raise MetraleError("--max-lora-rank must be >= 1")
     args.active_lora = _active_lora_flags(args.active_lora, args.loras)
+
+
+def _check_model_flags(args: argparse.Namespace) -> None:
+    """--model (repeatable, NAME=PATH), --models-dir and the pool's flags: `args.model` becomes
+    the primary model (the first --model, else the first of --models-dir, else "default"),
+    `args.models` the others; `args.keep_alive` seconds (None: the default)."""
+    from serving.http.model_catalog import models_in_dir, parse_keep_alive, split_named
+    values = list(args.model or [])
+    if args.models_dir is not None:
+        try:
+            found = models_in_dir(args.models_dir)
+        except MetraleError as e:
+            raise MetraleError(e.message) from None
+        if not found:
+            raise MetraleError(f"--models-dir {args.models_dir}: no checkpoint in it (a "
+                               "folder with config.json or metrale.json, or a .gguf file)")
+        if not values:
+            values = [f"{next(iter(found))}={found[next(iter(found))]}"]
+    values = values or ["default"]
+    name, path = split_named(values[0])
+    if name is not None:
+        if args.served_model_name is not None and args.served_model_name != name:
+            raise MetraleError(f"--model {values[0]!r} names the model; --served-model-name "
+                               f"{args.served_model_name!r} names it differently")
+        args.served_model_name = name
+    args.model, args.models = path, tuple(values[1:])
+    if args.max_loaded_models is not None and args.max_loaded_models < 1:
+        raise MetraleError("--max-loaded-models must be >= 1")
+    if args.memory_budget_gb is not None and not (
+            math.isfinite(args.memory_budget_gb) and args.memory_budget_gb > 0):
+        raise MetraleError("--memory-budget-gb must be a number of GiB > 0")
+    if not (math.isfinite(args.model_wait_timeout) and args.model_wait_timeout >= 0):
+        raise MetraleError("--model-wait-timeout must be a number of seconds >= 0")
+    try:
+        args.keep_alive = (None if args.keep_alive is None
+                           else parse_keep_alive(args.keep_alive, "--keep-alive"))
+    except MetraleError as e:
+        raise MetraleError(e.message) from None
+    if (args.models or args.models_dir) and args.num_processes not in (None, 1):
+        raise MetraleError("several models (--model twice, --models-dir) are served on one "
+                           "host only; a multi-host server serves one model")
 
 
 def _check_media_flags(args: argparse.Namespace) -> None:
@@ -248,7 +290,10 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         source_lang=args.source_lang, target_lang=args.target_lang,
         allowed_media_domains=args.allowed_media_domains,
         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-        media_fetch_timeout=args.media_fetch_timeout, warmup=args.warmup, task=args.task)
+        media_fetch_timeout=args.media_fetch_timeout, warmup=args.warmup, task=args.task,
+        models=args.models, models_dir=args.models_dir,
+        max_loaded_models=args.max_loaded_models, memory_budget_gb=args.memory_budget_gb,
+        keep_alive=args.keep_alive, model_wait_timeout=args.model_wait_timeout)
     return settings
 
 
@@ -294,6 +339,27 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
                              "(default 64)")
 
 
+def _pool_flags(parser: argparse.ArgumentParser) -> None:
+    """Several models in one server (serving/http/model_pool.py)."""
+    parser.add_argument("--models-dir", default=None, metavar="DIR",
+                        help="serve every checkpoint in DIR (sub-folders with config.json or "
+                             "metrale.json, .gguf files) under its name, loaded on demand")
+    parser.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                        help="the most models loaded at once (default: what the memory "
+                             "budget holds); the least recently used idle one is unloaded")
+    parser.add_argument("--memory-budget-gb", type=float, default=None, metavar="GIB",
+                        help="GiB per device the loaded models' weights, KV pools and "
+                             "scratch may take together (default: the device's memory less "
+                             "10%%; unbounded on CPU)")
+    parser.add_argument("--keep-alive", default=None, metavar="DURATION",
+                        help="how long an idle model stays loaded: '5m', '30s', seconds, 0 "
+                             "(unload once answered) or -1 (forever); default forever with "
+                             "one model, 5m with several; a request's keep_alive overrides it")
+    parser.add_argument("--model-wait-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="how long a request waits for room to load its model while "
+                             "every loaded model is busy, before a 503 (default 60)")
+
+
 def _media_flags(parser: argparse.ArgumentParser) -> None:
     """The image flags of a vision-language model (LLaVA): chat content parts image_url."""
     parser.add_argument("--max-images", type=int, default=None, metavar="N",
@@ -320,8 +386,11 @@ def _media_flags(parser: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `metrale serve`."""
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    srv.add_argument("--model", default="default", help="'default', a checkpoint path, or a "
-                     "Hugging Face name org/repo[:QUANT][@revision]")
+    srv.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                     help="'default', a checkpoint path, or a Hugging Face name "
+                     "org/repo[:QUANT][@revision]; NAME= names it; repeat to serve several "
+                     "(the first loads at start, the others on their first request)")
+    _pool_flags(srv)
     srv.add_argument("--served-model-name", default=None,
                      help="the model id clients use (default: the --model argument)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")

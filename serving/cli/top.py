@@ -18,9 +18,11 @@ from typing import Any, ClassVar
 from serving.cli.http_client import APIError, Client, UnreachableError
 from serving.cli.top_data import (
     ERROR_COLUMNS,
+    MODEL_COLUMNS,
     SLOT_COLUMNS,
     TopModel,
     error_rows,
+    model_rows,
     render_text,
     slot_rows,
 )
@@ -68,6 +70,8 @@ def build_app(model: TopModel, interval: float = 1.0) -> Any:
                     yield Sparkline([], id="ttft", summary_function=max)
             yield Label("slots", classes="title")
             yield DataTable(id="slots", zebra_stripes=True)
+            yield Label("models", classes="title")
+            yield DataTable(id="models")
             yield Label("recent errors", classes="title")
             yield DataTable(id="errors")
             yield Footer()
@@ -77,6 +81,7 @@ def build_app(model: TopModel, interval: float = 1.0) -> Any:
             self.sub_title = model.client.url
             self.query_one("#slots", DataTable).add_columns(*SLOT_COLUMNS)
             self.query_one("#errors", DataTable).add_columns(*ERROR_COLUMNS)
+            self.query_one("#models", DataTable).add_columns(*MODEL_COLUMNS)
             if self.interval > 0:
                 self.set_interval(self.interval, self.poll)
                 self.call_later(self.poll)
@@ -114,6 +119,10 @@ def build_app(model: TopModel, interval: float = 1.0) -> Any:
             slots.clear()
             for row in slot_rows(stats):
                 slots.add_row(*row)
+            models = self.query_one("#models", DataTable)
+            models.clear()
+            for row in model_rows(stats):
+                models.add_row(*row)
             errors = self.query_one("#errors", DataTable)
             errors.clear()
             for row in error_rows(stats):

@@ -19,6 +19,8 @@ PREFIX = "metrale:"
 HISTORY = 120
 SLOT_COLUMNS = ("slot", "request", "prompt", "tokens", "tok/s", "running")
 ERROR_COLUMNS = ("time", "status", "type", "message")
+MODEL_COLUMNS = ("model", "state", "in flight", "requests", "memory", "loads", "keep-alive",
+                 "idle")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -143,6 +145,25 @@ def slot_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
+def _bytes(n: int) -> str:
+    return "-" if not n else f"{n / 2**20:.0f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def model_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per servable model (the model pool's): name, state, requests in flight and
+    served, memory per device (a sleeping model: its host copy, in brackets), loads,
+    keep-alive and idle time."""
+    rows = []
+    for m in stats.get("models") or []:
+        memory = _bytes(m["memory_bytes"]) if m["memory_bytes"] or not m.get("host_bytes") \
+            else f"({_bytes(m['host_bytes'])} host)"
+        keep = m.get("keep_alive")
+        rows.append((str(m["id"]), str(m["state"]), str(m["in_flight"]), str(m["requests"]),
+                     memory, str(m["loads"]), "forever" if keep == -1 else _seconds(keep),
+                     _seconds(m.get("idle_seconds"))))
+    return rows
+
+
 def error_rows(stats: dict[str, Any], limit: int = 8) -> list[tuple[str, ...]]:
     """The latest errors, newest first: time, status, type, message."""
     recent = stats.get("errors", {}).get("recent", [])[-limit:]
@@ -157,6 +178,11 @@ def render_text(stats: dict[str, Any], model: TopModel | None = None) -> str:
     out.append("")
     out.append("  ".join(SLOT_COLUMNS) if rows else "no request in a slot")
     out += ["  ".join(r) for r in rows]
+    models = model_rows(stats)
+    if len(models) > 1:
+        out.append("")
+        out.append("  ".join(MODEL_COLUMNS))
+        out += ["  ".join(r) for r in models]
     errors = error_rows(stats)
     if errors:
         out.append("")

@@ -45,7 +45,13 @@ log = logging.getLogger(__name__)
 
 ADMIN_ROUTES = (("GET", "/v1/metrale/stats"), ("GET", "/v1/metrale/usage"),
                 ("POST", "/lora-adapters"), ("POST", "/v1/load_lora_adapter"),
-                ("POST", "/v1/unload_lora_adapter"))
+                ("POST", "/v1/unload_lora_adapter"),
+                # the model pool's (serving/http/routes/models.py)
+                ("GET", "/v1/metrale/models"), ("POST", "/v1/metrale/models/load"),
+                ("POST", "/v1/metrale/models/unload"), ("POST", "/v1/metrale/models/sleep"),
+                ("POST", "/v1/metrale/models/wake"), ("POST", "/models/load"),
+                ("POST", "/models/unload"), ("POST", "/sleep"), ("POST", "/wake_up"),
+                ("GET", "/is_sleeping"))
 EXPOSED_HEADERS = ("x-request-id", "x-request-seq", "retry-after", "retry-after-ms",
                    *(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset")
                      for kind in ("requests", "tokens")))
@@ -185,11 +191,20 @@ class Access:
             return
         self.settle(ctx)
         ctx.finished = True
-        for hook in self.end_hooks:
+        for callback in ctx.end_callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("end-of-request callback failed (request %s)", ctx.label())
+        for hook in [*self.end_hooks]:
             try:
                 hook(ctx)
             except Exception:
                 log.exception("end-of-request hook %r failed (request %s)", hook, ctx.label())
+        # What the request used goes with it: a finished context may outlive its request
+        # (held by the task that ran it), and must not keep an unloaded model's runtime.
+        ctx.generation, ctx.outcome = None, None
+        ctx.end_callbacks.clear()
 
     # ---- what a key may use ---------------------------------------------------------------
     def visible_model(self, name: str, is_adapter: bool) -> bool:

@@ -57,11 +57,11 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
     async def _start() -> None:
         if state.runtime.state == "starting":
             state.runtime.start()
+        state.pool.bind_loop()
 
     @app.after_serving
     async def _stop() -> None:
-        if state.owns_runtime:
-            state.runtime.stop()
+        state.pool.stop()
         if state.dumper is not None:
             state.dumper.close()
 

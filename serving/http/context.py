@@ -48,6 +48,8 @@ class RequestContext:
     stream: the answer is a stream; stream_done: its last event (`[DONE]`) was sent.
     outcome: called once the request ended, the (finish reasons, texts) of its choices as
         the client saw them (set by the generation routes; None: no choices).
+    end_callbacks: called once the request ended, before the end hooks (the model pool's
+        release of the model the request used).
     """
 
     request_id: str
@@ -71,6 +73,7 @@ class RequestContext:
     stream: bool = False
     stream_done: bool = False
     outcome: Callable[[], tuple[list[str | None], list[str | None]]] | None = None
+    end_callbacks: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     @property
     def tenant(self) -> str | None:

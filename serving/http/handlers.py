@@ -61,10 +61,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
                        request_id: str) -> Prepared:
     """Validates a chat request against the model, renders and tokenizes it (a
     vision-language model's images are loaded in a worker thread), submits it."""
-    rt = state.require_generator()
-    lora = state.check_model(req.model, req.lora)
+    rt, lora = await state.use_model(req.model, req.lora, req.keep_alive, generate=True)
+    name = rt.settings.model_name
     if rt.vision is None:
-        vision.refuse_images(req, state.settings.model_name)
+        vision.refuse_images(req, name)
     if rt.is_translation:
         translation.check_chat_request(req)
         req.validate_semantics()
@@ -72,11 +72,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
             req.max_new_tokens, req.num_logprobs, rt.checkpoint.sampling_defaults), lora=lora)
         gen = _translate(state, rt, req, [translation.chat_text(req)], params, request_id,
                          "messages")
-        env = Envelope("chatcmpl", "chat.completion", state.settings.model_name,
-                       rt.fingerprint)
+        env = Envelope("chatcmpl", "chat.completion", name, rt.fingerprint)
         return Prepared(gen, env, req.stream, req.include_usage, req.logprobs,
                         token_ids=req.return_token_ids)
-    translation.refuse_languages(req, state.settings.model_name)
+    translation.refuse_languages(req, name)
     req.validate_semantics()
     render = dict(add_generation_prompt=req.add_generation_prompt, tools=req.tools,
                   **req.template_kwargs())
@@ -85,7 +84,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
         prompt = rt.encode_chat(req.template_messages(), **render)
     else:
         prompt, images = await vision.chat_prompt(rt, req, **render)
-        rt = state.require_ready()  # still serving after the images loaded
+        state.refuse_draining()  # still serving after the images loaded
     params = dataclasses.replace(req.sampling_params(req.max_new_tokens, req.num_logprobs,
                                                      rt.checkpoint.sampling_defaults),
                                  lora=lora)
@@ -99,18 +98,18 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
                      images=[images], **state.access.generation_options())
     gen.check()
     state.access.submit(gen)  # reserves its tokens against the key's limits
-    env = Envelope("chatcmpl", "chat.completion", state.settings.model_name, rt.fingerprint)
+    env = Envelope("chatcmpl", "chat.completion", name, rt.fingerprint)
     prep = Prepared(gen, env, req.stream, req.include_usage, req.logprobs,
                     token_ids=req.return_token_ids)
     prep.output = output if output.active else None
     return prep
 
 
-def prepare_completion(state: ServerState, req: CompletionRequest,
-                       request_id: str) -> Prepared:
+async def prepare_completion(state: ServerState, req: CompletionRequest,
+                             request_id: str) -> Prepared:
     """Validates a completion request, tokenizes its prompts, submits every choice."""
-    rt = state.require_generator()
-    lora = state.check_model(req.model, req.lora)
+    rt, lora = await state.use_model(req.model, req.lora, req.keep_alive, generate=True)
+    name = rt.settings.model_name
     if rt.is_translation:
         translation.check_completion_request(req)
         req.validate_semantics()
@@ -119,10 +118,10 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
                                      lora=lora)
         gen = _translate(state, rt, req, [str(p) for p in req.prompts], params, request_id,
                          "prompt")
-        env = Envelope("cmpl", "text_completion", state.settings.model_name, rt.fingerprint)
+        env = Envelope("cmpl", "text_completion", name, rt.fingerprint)
         return Prepared(gen, env, req.stream, req.include_usage, req.logprobs is not None,
                         token_ids=req.return_token_ids)
-    translation.refuse_languages(req, state.settings.model_name)
+    translation.refuse_languages(req, name)
     req.validate_semantics()
     prompts, texts = [], []
     for p in req.prompts:
@@ -140,7 +139,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest,
                      **state.access.generation_options())
     gen.check("prompt")
     state.access.submit(gen)  # reserves its tokens against the key's limits
-    env = Envelope("cmpl", "text_completion", state.settings.model_name, rt.fingerprint)
+    env = Envelope("cmpl", "text_completion", name, rt.fingerprint)
     echo = [texts[c.prompt_index] for c in gen.choices] if req.echo else None
     return Prepared(gen, env, req.stream, req.include_usage, req.logprobs is not None, echo,
                     token_ids=req.return_token_ids)
@@ -150,7 +149,7 @@ def _translate(state: ServerState, rt: ModelRuntime, req: Any, texts: list[str],
                params: Any, request_id: str, prompt_param: str) -> Generation:
     """Submits the translations of `texts` (n choices each) in the request's languages;
     `prompt_param` is the field errors about the text name ("messages" or "prompt")."""
-    s = state.settings
+    s = rt.settings
     inputs = translation.inputs(rt.tokenizer, texts, req, s.source_lang, s.target_lang,
                                 prompt_param)
     gen = Generation(rt, state.metrics, [x.prompt for x in inputs], params, req.n,

@@ -93,10 +93,49 @@ def _router_counters(scheduler: Any) -> Iterator[Any]:
     yield family
 
 
-class Metrics:
-    """The app's metrics, in their own `CollectorRegistry` (several apps per process are ok)."""
+class _ModelsCollector(Collector):
+    """Per-model gauges and counters of the model pool, read at scrape time from
+    `ModelPool.rows()` (serving/http/model_pool.py)."""
 
-    def __init__(self, runtime: Callable[[], Any]):
+    def __init__(self, rows: Callable[[], list[dict[str, Any]]]):
+        self._rows = rows
+
+    def collect(self) -> Iterator[Any]:
+        from serving.http.model_pool import STATES
+        rows = self._rows()
+        state = GaugeMetricFamily(PREFIX + "model_state", "1 for each model's state in the "
+                                  "pool (on_disk, loading, loaded, unloading, sleeping, waking, "
+                                  "failed), 0 for the others.", labels=["model", "state"])
+        memory = GaugeMetricFamily(PREFIX + "model_memory_bytes", "Bytes per device a model "
+                                   "holds (its memory plan: params, KV pool, scratch); 0 when "
+                                   "not loaded.", labels=["model"])
+        host = GaugeMetricFamily(PREFIX + "model_host_bytes", "Bytes a sleeping model keeps "
+                                 "on the host (its params).", labels=["model"])
+        active = GaugeMetricFamily(PREFIX + "model_requests_active", "Requests holding each "
+                                   "model.", labels=["model"])
+        requests = CounterMetricFamily(PREFIX + "model_requests", "Requests served by each "
+                                       "model.", labels=["model"])
+        loads = CounterMetricFamily(PREFIX + "model_loads", "Loads of each model (start, on "
+                                    "demand, admin).", labels=["model"])
+        for row in rows:
+            name = row["id"]
+            for value in STATES:
+                state.add_metric([name, value], float(row["state"] == value))
+            memory.add_metric([name], row["memory_bytes"])
+            host.add_metric([name], row["host_bytes"])
+            active.add_metric([name], row["in_flight"])
+            requests.add_metric([name], row["requests"])
+            loads.add_metric([name], row["loads"])
+        yield from (state, memory, host, active, requests, loads)
+
+
+class Metrics:
+    """The app's metrics, in their own `CollectorRegistry` (several apps per process are ok).
+    runtime: the primary model's runtime (the scheduler gauges); models: the model pool's rows
+    (the per-model gauges), or None."""
+
+    def __init__(self, runtime: Callable[[], Any],
+                 models: Callable[[], list[dict[str, Any]]] | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests_active = Gauge(PREFIX + "requests_active",
@@ -119,6 +158,8 @@ class Metrics:
                              "Time from arrival to the last byte of the answer.",
                              buckets=_E2E_BUCKETS, registry=r)
         r.register(_SchedulerCollector(runtime))
+        if models is not None:
+            r.register(_ModelsCollector(models))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -52,12 +52,13 @@ class PoolingJob:
         return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens}
 
 
-def require_pooler(state: ServerState, model: str | None, task: str | None = None) -> Any:
-    """The served model's pooler for a pooling route (`task` "embed": an embedding model,
-    None: any pooling model); 400 naming what the model serves otherwise."""
-    rt = state.require_ready()
-    state.check_model(model)
-    name = state.settings.model_name
+async def require_pooler(state: ServerState, model: str | None, task: str | None = None,
+                         keep_alive: Any = None) -> Any:
+    """The named model's pooler for a pooling route (`task` "embed": an embedding model,
+    None: any pooling model), loaded on demand and held until the request ends; 400 naming
+    what the model serves otherwise."""
+    rt, _ = await state.use_model(model, keep_alive=keep_alive)
+    name = rt.settings.model_name
     pooler = rt.pooler
     if pooler is None:
         raise InvalidParameterError(
@@ -142,7 +143,7 @@ def _done(state: ServerState, job: PoolingJob, tokens: int, started: float) -> N
 async def embeddings(state: ServerState, req: EmbeddingRequest) -> dict[str, Any]:
     """POST /v1/embeddings: OpenAI's `CreateEmbeddingResponse`."""
     started = time.monotonic()
-    pooler = require_pooler(state, req.model, task="embed")
+    pooler = await require_pooler(state, req.model, task="embed", keep_alive=req.keep_alive)
     inputs = embedding_inputs(pooler, req)
     tokens = sum(len(ids) for ids in inputs)
     job = _reserve(state, tokens)
@@ -151,7 +152,7 @@ async def embeddings(state: ServerState, req: EmbeddingRequest) -> dict[str, Any
     _done(state, job, tokens, started)
     data = [{"object": "embedding", "index": i, "embedding": encoded(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
-    return {"object": "list", "data": data, "model": state.settings.model_name,
+    return {"object": "list", "data": data, "model": req.model or state.pool.primary.name,
             "usage": job.usage()}
 
 
@@ -175,7 +176,7 @@ async def rerank(state: ServerState, req: RerankRequest) -> dict[str, Any]:
     """POST /v1/rerank: the documents by relevance to the query (Jina's and Cohere's shape:
     `results` of `index`, `relevance_score` and, with `return_documents`, `document`)."""
     started = time.monotonic()
-    pooler = require_pooler(state, req.model)
+    pooler = await require_pooler(state, req.model, keep_alive=req.keep_alive)
     docs = req.texts()
     truncate = _check_truncate(req.truncate_prompt_tokens, pooler)
     job = _reserve(state, _estimate(pooler, [req.query] * len(docs) + docs))
@@ -191,14 +192,14 @@ async def rerank(state: ServerState, req: RerankRequest) -> dict[str, Any]:
             item["document"] = {"text": docs[i]}
         results.append(item)
     return {"id": f"rerank-{uuid.uuid4().hex}", "object": "list",
-            "model": state.settings.model_name, "results": results,
+            "model": req.model or state.pool.primary.name, "results": results,
             "usage": {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens}}
 
 
 async def score(state: ServerState, req: ScoreRequest) -> dict[str, Any]:
     """POST /v1/score (vLLM's shape): one score per (text_1, text_2) pair, in order."""
     started = time.monotonic()
-    pooler = require_pooler(state, req.model)
+    pooler = await require_pooler(state, req.model, keep_alive=req.keep_alive)
     pairs = req.pairs()
     truncate = _check_truncate(req.truncate_prompt_tokens, pooler)
     job = _reserve(state, _estimate(pooler, [t for p in pairs for t in p]))
@@ -224,5 +225,5 @@ async def score(state: ServerState, req: ScoreRequest) -> dict[str, Any]:
     _done(state, job, total, started)
     data = [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)]
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": state.settings.model_name, "data": data,
+            "model": req.model or state.pool.primary.name, "data": data,
             "usage": {"prompt_tokens": total, "total_tokens": total}}

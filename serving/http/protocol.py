@@ -29,6 +29,10 @@ class RequestBody(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=False, protected_namespaces=())
 
+    # Ollama's: how long the model stays loaded once idle ("5m", seconds, 0, -1; checked by
+    # serving/http/model_catalog.parse_keep_alive when the model is acquired).
+    keep_alive: float | str | None = None
+
     def unknown_fields(self) -> list[str]:
         """Names of fields this server does not know (ignored)."""
         return sorted((self.model_extra or {}).keys())

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from metrale_jax.errors import ChatTemplateError, MetraleError
@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 LOADING, COMPILING = "loading weights", "compiling"
 PEER_LOST_GRACE_S = 2.0  # seconds the error answers get before a process with a lost peer exits
 MEDIA_THREADS = 16  # images fetched and decoded at once, over every request
-STATES = ("starting", "loading", "warming_up", "ready", "failed", "draining", "stopped")
+STATES = ("starting", "loading", "warming_up", "ready", "sleeping", "failed", "draining",
+          "stopped")
 
 
 class ModelRuntime:
@@ -40,11 +41,22 @@ class ModelRuntime:
     state: one of STATES. error: the loading failure, when state is "failed".
     progress: `(stage, done, total)` reports of the "loading weights" and "compiling" stages
         (the CLI's bars); steps inside a stage are reported where the library offers a hook.
+    admit: called from the loading thread with the bytes per device the model will hold
+        (`footprint`), before any weight is read; it may block (the model pool makes room)
+        or raise (the loading fails with its error). None: nothing to ask. With it, the KV
+        page pool is sized for every slot to hold max_len (it does not fill the device, which
+        other models share) unless `num_pages` is configured.
+    footprint: the bytes per device the model holds once loaded (the memory plan's params,
+        KV pool, windows and scratch; an embedding model: its weights); 0 until known.
     """
 
-    def __init__(self, settings: ServerSettings, progress: ProgressFn | None = None):
+    def __init__(self, settings: ServerSettings, progress: ProgressFn | None = None,
+                 admit: Callable[[int], None] | None = None):
         self.settings = settings
         self.progress = progress
+        self.admit = admit
+        self.footprint = 0
+        self._offloaded: Any = None  # a sleeping model's host params (residency.py)
         self.state = "starting"
         self.error: BaseException | None = None
         self.checkpoint: Any = None
@@ -61,6 +73,7 @@ class ModelRuntime:
         self._token_strs: dict[int, str] = {}
         self._loaded = threading.Event()
         self._channel: Any = None  # the multi-host side channel, when there is one
+        self._sleeping_engine: Any = None  # a sleeping model's engine (its programs)
 
     @classmethod
     def from_llm(cls, llm: Any, settings: ServerSettings) -> ModelRuntime:
@@ -87,14 +100,13 @@ class ModelRuntime:
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> threading.Thread:
         """Starts loading and warmup in a background thread."""
+        self.state = "loading"
         thread = threading.Thread(target=self._load, name="metrale-load", daemon=True)
         thread.start()
         return thread
 
     def _load(self) -> None:
         from metrale_jax.engine import Engine, EngineConfig
-        from metrale_jax.engine.placement import PlacementHook
-        from metrale_jax.scheduler import Scheduler
         from metrale_jax.weights.checkpoint import load_checkpoint
         s = self.settings
         try:
@@ -104,8 +116,8 @@ class ModelRuntime:
                 return
             # The mesh and memory plan are decided before any weight is read (see
             # engine/placement.py); an impossible configuration fails here.
-            hook = PlacementHook(EngineConfig(max_slots=s.max_slots, max_len=s.max_len,
-                                              **s.engine_options))
+            hook = _AdmittedPlacement(EngineConfig(max_slots=s.max_slots, max_len=s.max_len,
+                                                   **s.engine_options), self)
             with stage(self.progress, LOADING) as step:
                 ckpt = load_checkpoint(s.model, s.dtype, shardings=hook,
                                        quantization=s.engine_options.get("quantization"),
@@ -134,13 +146,7 @@ class ModelRuntime:
                        COMPILING) as step:
                 hook = step if self.progress and accepts_keyword(engine.warmup, "progress") \
                     else None
-                self.scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
-                                           max_waiting=s.max_waiting, warmup=s.warmup_mode,
-                                           warmup_progress=hook, loras=self.loras)
-                self.scheduler.wait_ready()
-                if self.scheduler.startup_error is not None:
-                    raise self.scheduler.startup_error
-                self.scheduler.set_active_lora(s.active_lora)
+                self._start_scheduler(engine, s.warmup_mode, hook)
             if self.state == "warming_up":
                 self.state = "ready"
             log.info("ready: %s (%d programs compiled)", s.model_name, engine.compile_count)
@@ -151,6 +157,70 @@ class ModelRuntime:
             self.state = "failed"
         finally:
             self._loaded.set()
+
+    def _start_scheduler(self, engine: Any, warmup: str, progress: Any = None) -> None:
+        """Starts the batching loop on `engine` and waits for its warmup (raises its error)."""
+        from metrale_jax.scheduler import Scheduler
+        s = self.settings
+        self.scheduler = Scheduler(engine, self.checkpoint.tokenizer, self.eos_token_ids,
+                                   max_waiting=s.max_waiting, warmup=warmup,
+                                   warmup_progress=progress, loras=self.loras)
+        self.scheduler.wait_ready()
+        if self.scheduler.startup_error is not None:
+            raise self.scheduler.startup_error
+        self.scheduler.set_active_lora(s.active_lora)
+
+    # ---- sleeping (the model pool's; serving/http/model_pool.py) -----------------------
+    @property
+    def can_sleep(self) -> bool:
+        """True when the device memory can be freed with the host copy kept (sleep level 1):
+        a ready generating model on one process."""
+        return (self.state == "ready" and self.pooler is None and self.scheduler is not None
+                and self.settings.num_processes == 1)
+
+    def sleep(self) -> None:
+        """Sleep level 1: stops the batching loop (no request may be in flight), copies the
+        params to the host and frees their device memory and the KV pages'. The compiled
+        programs stay; `wake` resumes."""
+        from metrale_jax.engine.residency import offload_params
+        if not self.can_sleep:
+            raise RuntimeError(f"a runtime in state {self.state!r} cannot sleep")
+        engine = self.scheduler.engine
+        self.scheduler.stop()
+        self.scheduler = None
+        self._offloaded = offload_params(engine)
+        self._sleeping_engine = engine
+        self.state = "sleeping"
+        release_free_memory()
+
+    def wake(self) -> None:
+        """Undoes `sleep`: the params back on the devices, a new batching loop on a fresh KV
+        cache; no program is compiled again."""
+        from metrale_jax.engine.residency import restore_params
+        if self.state != "sleeping":
+            raise RuntimeError(f"a runtime in state {self.state!r} is not sleeping")
+        engine, self._sleeping_engine = self._sleeping_engine, None
+        restore_params(engine, self._offloaded)
+        self._offloaded = None
+        self._start_scheduler(engine, "none")
+        self.state = "ready"
+
+    @property
+    def host_bytes(self) -> int:
+        """The bytes a sleeping model keeps on the host (its params); 0 otherwise."""
+        return self._offloaded.nbytes if self._offloaded is not None else 0
+
+    @property
+    def programs(self) -> tuple[int, int]:
+        """(programs compiled or loaded so far, those XLA compiled afresh: not from the
+        executable store or JAX's persistent cache); (0, 0) before the engine exists."""
+        engine = (self.scheduler.engine if self.scheduler is not None
+                  else getattr(self, "_sleeping_engine", None))
+        cache = getattr(engine, "programs", None)
+        if cache is None:
+            count = self.pooler.compile_count if self.pooler is not None else 0
+            return count, count
+        return cache.compile_count, cache.fresh_count
 
     def _load_pooler(self) -> bool:
         """Loads the model as a pooling model (embeddings or scores) when its files or the
@@ -167,6 +237,9 @@ class ModelRuntime:
                 from metrale_jax.errors import InvalidParameterError
                 raise InvalidParameterError(f"{flag} is not available for an embedding or "
                                             "reranking model", param="task")
+        if self.admit is not None:
+            self.footprint = weights_bytes(s.model)
+            self.admit(self.footprint)
         with stage(self.progress, LOADING):
             pooler = load_pooler(s.model, task, dtype=s.dtype, max_slots=s.max_slots,
                                  max_len=s.max_len, engine_options=s.engine_options)
@@ -295,6 +368,7 @@ class ModelRuntime:
             self.pooler.close()
         elif self.scheduler is not None:
             self.scheduler.stop()
+        self._offloaded = self._sleeping_engine = None
         if self._channel is not None:  # multi-host: the others stop too (or see us go)
             self._channel.close()
         if self._media_pool is not None:  # downloads under way end at their own timeout
@@ -430,6 +504,60 @@ class ModelRuntime:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+class _AdmittedPlacement:
+    """`PlacementHook` for a runtime in a model pool: once the memory plan is made, the KV
+    pool is bounded (every slot holding max_len, unless `num_pages` is configured) and the
+    runtime's `admit` is asked for the bytes per device before any weight is read."""
+
+    def __init__(self, config: Any, runtime: ModelRuntime):
+        from metrale_jax.engine.placement import PlacementHook
+        self._hook = PlacementHook(config)
+        self.config = config
+        self._runtime = runtime
+
+    @property
+    def placement(self) -> Any:
+        """The engine's `Placement` (None until called)."""
+        return self._hook.placement
+
+    def __call__(self, model_config: Any, dtype: str) -> Any:
+        shardings = self._hook(model_config, dtype)
+        runtime = self._runtime
+        if runtime.admit is None:
+            return shardings
+        if self.config.num_pages is None:  # other models share the device: no filling it
+            self._hook.placement = bounded_placement(self._hook.placement)
+        placement = self._hook.placement
+        runtime.footprint = placement.device_bytes
+        runtime.admit(runtime.footprint)
+        return shardings
+
+
+def bounded_placement(placement: Any) -> Any:
+    """`placement` with a KV page pool of every slot holding max_len (plus the null page)
+    rather than the whole device's memory: a model of a pool shares the device."""
+    resolved = placement.config
+    return dataclasses.replace(placement, config=dataclasses.replace(
+        resolved, num_pages=resolved.max_slots * resolved.pages_per_seq + 1))
+
+
+def weights_bytes(model: str) -> int:
+    """The size of a checkpoint's weight files (safetensors, GGUF, PyTorch), an estimate of
+    the memory its weights take; 0 when the files cannot be found."""
+    from pathlib import Path
+
+    from metrale_jax.weights.checkpoint import resolve
+    try:
+        path, _ = resolve(model)
+    except Exception:
+        return 0
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.gguf", "*.bin")
+               for f in path.rglob(pattern))
 
 
 def check_languages(checkpoint: Any, source_lang: str | None, target_lang: str | None) -> None:

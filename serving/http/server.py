@@ -95,8 +95,7 @@ async def run_server(app: Quart, sock: socket.socket, stop: asyncio.Event,
     finally:
         for t in tasks:
             t.cancel()
-        if state.owns_runtime:
-            state.runtime.stop()
+        state.pool.stop()
     if state.runtime.error is not None:
         raise state.runtime.error
 

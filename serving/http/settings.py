@@ -71,6 +71,20 @@ class ServerSettings:
         (/v1/embeddings; rerank by cosine), "score" (/v1/rerank and /v1/score from a
         cross-encoder or a decoder reranker), or "auto" (the default: from the model's files,
         `metrale_jax.embedding.loader.pooling_task`).
+    models: further models served beside `model`, each a path or name, or `NAME=PATH`
+        (serving/http/model_catalog.py); they load on demand (serving/http/model_pool.py).
+    models_dir: a folder whose every checkpoint (sub-folder or .gguf file) is servable under
+        its name.
+    max_loaded_models: the most models loaded at once (None: as many as the memory budget
+        holds).
+    memory_budget_gb: GiB per device the loaded models may hold together (weights, KV pools,
+        step scratch: their memory plans); None: the device's memory less the plan's reserve
+        where it reports one, else no bound (CPU: pass it, or --max-loaded-models).
+    keep_alive: seconds an idle model stays loaded (Ollama's `keep_alive`; `math.inf`:
+        forever, 0: unloaded once answered); None: forever with one model, 5 minutes with
+        several. A request's `keep_alive` overrides it for its model.
+    model_wait_timeout: seconds a request waits for room to load its model while every
+        loaded model is busy, before a 503 with Retry-After.
     """
 
     model: str = "default"
@@ -109,6 +123,12 @@ class ServerSettings:
     max_image_pixels: int = 4096 * 4096
     media_fetch_timeout: float = 10.0
     task: str = "auto"
+    models: tuple[str, ...] = ()
+    models_dir: str | None = None
+    max_loaded_models: int | None = None
+    memory_budget_gb: float | None = None
+    keep_alive: float | None = None
+    model_wait_timeout: float = 60.0
 
     @property
     def warmup_mode(self) -> str:

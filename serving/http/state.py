@@ -8,8 +8,11 @@ from typing import Any
 
 from metrale_jax.errors import InvalidParameterError
 from serving.http.access import Access
+from serving.http.context import current
 from serving.http.errors import NotFoundError, UnavailableError
 from serving.http.metrics import Metrics
+from serving.http.model_catalog import parse_keep_alive
+from serving.http.model_pool import ModelPool, ServedModel
 from serving.http.runtime import ModelRuntime
 from serving.http.settings import ServerSettings
 from serving.http.stats import ErrorLog
@@ -33,10 +36,10 @@ class ServerState:
 
     def __init__(self, settings: ServerSettings, runtime: ModelRuntime | None = None):
         self.settings = settings
-        self.runtime = runtime or ModelRuntime(settings)
-        self.owns_runtime = self.runtime.state == "starting"
+        self.pool = ModelPool(settings, runtime)
+        self.owns_runtime = not self.pool.primary.borrowed
         self.access = Access(settings)
-        self.metrics = Metrics(lambda: self.runtime)
+        self.metrics = Metrics(lambda: self.runtime, self.pool.rows)
         self.usage = UsageBook(self.metrics.registry, retention=settings.usage_retention)
         self.dumper = None
         if settings.dump_requests:
@@ -69,12 +72,16 @@ class ServerState:
         if self.active == 0:
             self._idle_event().set()
 
+    @property
+    def runtime(self) -> ModelRuntime:
+        """The primary model's runtime (the only one of a one-model server)."""
+        return self.pool.primary.runtime
+
     def require_ready(self) -> ModelRuntime:
-        """The runtime, or 503 while loading, warming up, draining or failed."""
+        """The primary model's runtime, or 503 while loading, warming up, draining or failed
+        (the routes that serve no model of a request's choosing: the LoRA admin routes)."""
+        self.refuse_draining()
         rt = self.runtime
-        if self.draining or rt.state in ("draining", "stopped"):
-            raise UnavailableError("the server is shutting down", code="draining",
-                                   retry_after=5)
         if rt.state == "failed":
             raise UnavailableError(f"the model failed to load: {rt.error}", code="load_failed",
                                    retry_after=30)
@@ -83,53 +90,66 @@ class ServerState:
                                    code="not_ready", retry_after=5)
         return rt
 
-    def require_generator(self) -> ModelRuntime:
-        """The runtime of a model that generates text (`require_ready`), or a 400 naming
-        what a pooling (embedding or reranking) model serves instead."""
-        rt = self.require_ready()
-        if rt.pooler is not None:
-            from metrale_jax.errors import InvalidParameterError
+    def refuse_draining(self) -> None:
+        if self.draining or self.runtime.state in ("draining", "stopped"):
+            raise UnavailableError("the server is shutting down", code="draining",
+                                   retry_after=5)
+
+    async def use_model(self, model: str | None, lora: list[Any] | None = None,
+                        keep_alive: Any = None, generate: bool = False
+                        ) -> tuple[ModelRuntime, str | dict[str, float] | None]:
+        """The runtime of the model a request names (`lookup_model`), loaded or woken when
+        needed (serving/http/model_pool.py) and held until the request ends (its context's
+        end releases it, with the request's `keep_alive`); and the request's
+        `SamplingParams.lora` (`lookup_model`'s). `generate`: the model must generate text
+        (a pooling model is a 400). Raises 404 / 400 / 503."""
+        self.refuse_draining()
+        served, adapters = self.lookup_model(model, lora)
+        keep = None if keep_alive is None else parse_keep_alive(keep_alive)
+        rt = await self.pool.acquire(served)
+        ctx = current()
+        if ctx is not None:
+            ctx.end_callbacks.append(lambda: self.pool.release(served, keep))
+        else:  # outside a request (tests): released at once
+            self.pool.release(served, keep)
+        if generate and rt.pooler is not None:
             what = ("embeddings (/v1/embeddings, /v1/rerank, /v1/score)"
                     if rt.pooler.info.task == "embed" else "pair scores (/v1/rerank, /v1/score)")
             raise InvalidParameterError(
-                f"the model {self.settings.model_name!r} is an embedding or reranking model: "
-                f"it serves {what} and generates no text", param="model")
-        return rt
+                f"the model {served.name!r} is an embedding or reranking model: it serves "
+                f"{what} and generates no text", param="model")
+        if adapters is not None:
+            from serving.http.protocol import lora_weights
+            ids = ({i: n for i, n in rt.lora_ids().items() if self.access.visible_adapter(n)}
+                   if served.primary and rt.scheduler is not None else {})
+            return rt, lora_weights(adapters, ids)
+        return rt, model if model in self.pool.primary.runtime.lora_paths else None
 
-    def check_model(self, model: str | None, lora: list[Any] | None = None
-                    ) -> str | dict[str, float] | None:
-        """404 `model_not_found` unless `model` is the served model's name, one of its LoRA
-        adapters' names, or omitted (the served model), and the caller's key may use it (a
-        model it may not use is answered as one that does not exist). Returns the
-        request's `SamplingParams.lora`: its llama.cpp `lora` list ({name: scale}; ids of
-        adapters the key may not use are unknown ids), else the adapter `model` names, else
-        None (the active adapters)."""
-        name = self.settings.model_name
-        served = self.runtime.lora_paths
+    def lookup_model(self, model: str | None, lora: list[Any] | None = None
+                     ) -> tuple[ServedModel, list[Any] | None]:
+        """The served model a request's `model` names: a servable model, a LoRA adapter of
+        the primary model (served on it), or omitted (the primary); 404 `model_not_found`
+        unless the caller's key may use it (a model it may not use is answered as one that
+        does not exist). Returns it and the request's llama.cpp `lora` list, checked
+        (400 when the request names an adapter both ways)."""
+        served = self.pool.lookup(model)
+        adapters = self.pool.primary.runtime.lora_paths
         visible = self.access.visible_model
-        target = name if model is None else model
-        if not ((target == name or target in served)
-                and visible(target, is_adapter=target != name)):
-            shown = [n for n in sorted(served) if visible(n, is_adapter=True)]
-            adapters = f" and the LoRA adapters {shown}" if shown else ""
-            if visible(name, is_adapter=False):
-                serves = f"this server serves {name!r}{adapters}"
-            elif shown:
-                serves = f"this server serves the LoRA adapters {shown}"
-            else:
-                serves = "your API key may use none of this server's models"
+        target = self.pool.primary.name if model is None else model
+        is_adapter = served is not None and target in adapters and target not in \
+            self.pool.models
+        if served is None or not visible(target, is_adapter=is_adapter):
+            shown = [n for n in self.pool.names() if visible(n, is_adapter=False)]
+            shown += [n for n in sorted(adapters) if visible(n, is_adapter=True)]
+            serves = (f"this server serves {', '.join(map(repr, shown))}" if shown
+                      else "your API key may use none of this server's models")
             raise NotFoundError(f"the model {target!r} does not exist; {serves}",
                                 code="model_not_found", param="model")
-        if lora is not None:
-            if model in served:
-                raise InvalidParameterError(
-                    f"the request names the LoRA adapter {model!r} as its model and also "
-                    "lists adapters in lora: give one or the other", param="lora")
-            from serving.http.protocol import lora_weights
-            ids = {i: n for i, n in self.runtime.lora_ids().items()
-                   if self.access.visible_adapter(n)}
-            return lora_weights(lora, ids)
-        return model if model in served else None
+        if lora is not None and is_adapter:
+            raise InvalidParameterError(
+                f"the request names the LoRA adapter {model!r} as its model and also lists "
+                "adapters in lora: give one or the other", param="lora")
+        return served, lora
 
     async def drain(self, grace: float | None = None) -> None:
         """Stops accepting, lets in-flight requests finish within `grace` s, cancels the rest.
@@ -144,8 +164,7 @@ class ServerState:
             await asyncio.wait_for(idle.wait(), grace)
         except TimeoutError:
             log.warning("grace period over: cancelling %d request(s)", self.active)
-        if self.owns_runtime:
-            await asyncio.to_thread(self.runtime.stop)
+        await asyncio.to_thread(self.pool.stop)
         try:
             await asyncio.wait_for(idle.wait(), 10.0)
         except TimeoutError:

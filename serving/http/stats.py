@@ -124,6 +124,7 @@ def stats_body(state: Any) -> dict[str, Any]:
         "errors": state.errors.to_dict(),
         "tenants": tenants,
         "moe": moe_stats(scheduler.engine if scheduler is not None else None),
+        "models": state.pool.rows(),
     }
 
 

@@ -56,6 +56,7 @@ class _Request(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    keep_alive: float | str | None = None  # Ollama's (serving/http/model_catalog.py)
 
     def unknown_fields(self) -> list[str]:
         """Fields the request sent that this server does not know (logged, ignored)."""
@@ -64,7 +65,8 @@ class _Request(BaseModel):
     def chat_fields(self) -> dict[str, Any]:
         """The chat request's fields (a dict for `ChatCompletionRequest`)."""
         out: dict[str, Any] = {"model": self.model,
-                               "messages": chat_messages(self.system, self.messages)}
+                               "messages": chat_messages(self.system, self.messages),
+                               "keep_alive": self.keep_alive}
         if self.tools:
             out["tools"] = [_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:

@@ -167,7 +167,8 @@ class _ResponseBody(RequestBody):
             raise InvalidParameterError("input must not be empty", param="input")
         body: dict[str, Any] = {
             k: v for k, v in (self.model_extra or {}).items() if k in PASSTHROUGH}
-        body.update(messages=messages, model=self.model, stream=self.stream)
+        body.update(messages=messages, model=self.model, stream=self.stream,
+                    keep_alive=self.keep_alive)
         for chat, ours in SPELLED.items():
             if getattr(self, ours) is not None:
                 body[chat] = getattr(self, ours)

@@ -1,6 +1,7 @@
 """The API's routes, one module per API group, each with a `register(app, state)`: `openai`
 (chat/completions, completions, models), `tokenize` (/tokenize, /detokenize), `admin`
-(/health, /metrics, /v1/metrale/stats), `lora` (vLLM's runtime adapter loading),
+(/health, /metrics, /v1/metrale/stats), `lora` (vLLM's runtime adapter loading), `models` (the
+model pool's load, unload, sleep and wake),
 `openai_responses` (OpenAI's Responses API), `anthropic` (Anthropic's Messages API), `pooling`
 (embeddings, rerank and score), `webui` (the web chat page). A new API is a new module here,
 added to `GROUPS`.
@@ -15,6 +16,7 @@ from serving.http.routes import (
     admin,
     anthropic,
     lora,
+    models,
     openai,
     openai_responses,
     pooling,
@@ -23,7 +25,7 @@ from serving.http.routes import (
 )
 from serving.http.state import ServerState
 
-GROUPS = (openai, tokenize, admin, lora, openai_responses, anthropic, pooling, webui)
+GROUPS = (openai, tokenize, admin, lora, models, openai_responses, anthropic, pooling, webui)
 
 
 def register_all(app: Quart, state: ServerState) -> None:

@@ -20,10 +20,9 @@ def register(app: Quart, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        rt = state.runtime
-        if rt.ready and not state.draining:
+        if state.pool.serving and not state.draining:
             return json_response({"status": "ready"})
-        status = "draining" if state.draining else rt.state
+        status = "draining" if state.draining else state.runtime.state
         return json_response(
             {"status": status, **error_body(f"the server is {status}", "server_error",
                                             code=status)}, 503, {"Retry-After": "5"})

@@ -56,12 +56,11 @@ def register(app: Quart, state: ServerState) -> None:
     async def count_tokens() -> Response:
         req = await read_body(CountTokensRequest)
         chat = req.chat_request()
-        rt = state.require_ready()
-        state.check_model(chat.model)
+        rt, _ = await state.use_model(chat.model, keep_alive=req.keep_alive)
         chat.validate_semantics()
         render = dict(add_generation_prompt=True, tools=chat.tools, **chat.template_kwargs())
         if rt.vision is None:
-            vision.refuse_images(chat, state.settings.model_name)
+            vision.refuse_images(chat, rt.settings.model_name)
             prompt = rt.encode_chat(chat.template_messages(), **render)
         else:
             prompt, _ = await vision.chat_prompt(rt, chat, **render)

@@ -19,7 +19,7 @@ def register(app: Quart, state: ServerState) -> None:
     """Adds /v1/chat/completions, /v1/completions and /v1/models[/{id}] to `app`."""
 
     async def _generate(prep: handlers.Prepared, body, stream) -> Response:
-        rt = state.runtime
+        rt = prep.gen.runtime
         if prep.stream:
             return stream_answer(state, prep, g.request_id,
                                  lambda done: stream(prep, rt, done))
@@ -38,13 +38,24 @@ def register(app: Quart, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
         req = await read_body(CompletionRequest)
-        prep = handlers.prepare_completion(state, req, g.request_id)
+        prep = await handlers.prepare_completion(state, req, g.request_id)
         return await _generate(prep, handlers.completion_body, handlers.completion_stream)
 
     def cards() -> list[dict]:
-        """The cards of the models the caller may use (the base model first)."""
-        base = state.runtime.model_card()
-        out = [base] if state.access.visible_model(base["id"], is_adapter=False) else []
+        """The cards of the models the caller may use (the primary model first, its LoRA
+        adapters last), each with its `state` in the model pool (loaded, on_disk, ...)."""
+        out = []
+        for served in state.pool.models.values():
+            if not state.access.visible_model(served.name, is_adapter=False):
+                continue
+            rt = served.runtime
+            if rt.ready or served.primary:
+                card = rt.model_card()
+            else:  # not loaded: what is known without reading it
+                card = {"id": served.name, "object": "model", "created": rt.created,
+                        "owned_by": "metrale", "root": str(served.settings.model),
+                        "parent": None}
+            out.append({**card, "state": served.state})
         return out + [c for c in state.runtime.lora_cards()
                       if state.access.visible_model(c["id"], is_adapter=True)]
 

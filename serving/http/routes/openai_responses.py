@@ -63,8 +63,8 @@ def register(app: Quart, state: ServerState) -> None:
         except MetraleError as e:  # named as the Responses request names it
             e.param = responses_param(e.param)
             raise
-        rt = state.runtime
-        env = Envelope(new_id("resp"), req, state.settings.model_name)
+        rt = prep.gen.runtime
+        env = Envelope(new_id("resp"), req, rt.settings.model_name)
         answer = responses_stream.Answer(
             prep, env, lambda text: len(rt.tokenizer.encode(text, add_special_tokens=False)))
         items, who = [*earlier, *req.input_items()], owner()

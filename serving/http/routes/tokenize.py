@@ -19,15 +19,14 @@ def register(app: Quart, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize() -> Response:
         req = await read_body(TokenizeRequest)
-        rt = state.require_ready()
-        state.check_model(req.model)
+        rt, _ = await state.use_model(req.model, keep_alive=req.keep_alive)
         if req.messages is not None:
             chat = ChatCompletionRequest(messages=req.messages)
             if rt.vision is not None:  # each image part counts as its placeholder run
                 ids = vision.tokenize_chat(rt, chat, req.add_generation_prompt,
                                            bool(req.add_special_tokens))
             else:
-                vision.refuse_images(chat, state.settings.model_name)
+                vision.refuse_images(chat, rt.settings.model_name)
                 text = rt.render_chat(chat.template_messages(),
                                       add_generation_prompt=req.add_generation_prompt)
                 ids = rt.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
@@ -43,8 +42,7 @@ def register(app: Quart, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize() -> Response:
         req = await read_body(DetokenizeRequest)
-        rt = state.require_ready()
-        state.check_model(req.model)
+        rt, _ = await state.use_model(req.model, keep_alive=req.keep_alive)
         vocab = rt.tokenizer.vocab_size
         if any(t >= vocab for t in req.tokens):
                 raise InvalidParameterError(f"token ids must be in [0, {vocab})", param="tokens")
