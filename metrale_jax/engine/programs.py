@@ -113,6 +113,7 @@ class ProgramCache:
         self.compiled_on: dict[tuple, str] = {}  # the thread that compiled each program
         self._background: threading.Thread | None = None
         self._progress: list[Any] = [0, 0, None, None]  # done, total, start, end
+        self._cancelled = False  # `cancel_background` was called: skip what is left
 
     def get(self, key: tuple) -> Any | None:
         """The executable compiled under `key`, or None."""
@@ -194,6 +195,12 @@ class ProgramCache:
         self._background = threading.Thread(target=run, name=COMPILE_THREAD, daemon=True)
         self._background.start()
 
+    def cancel_background(self, timeout: float | None = 30.0) -> None:
+        """Stops a background warmup: the programs not started are skipped (those compiling
+        finish); waits up to `timeout` s for it to end (its engine is being let go)."""
+        self._cancelled = True
+        self.wait_background(timeout)
+
     def wait_background(self, timeout: float | None = None) -> bool:
         """Waits for the background warmup (if any); True when it has ended."""
         if self._background is not None:
@@ -206,8 +213,12 @@ class ProgramCache:
         the seconds taken. progress: called as `progress(done, total)` after each job (from
         the calling thread)."""
         t0 = time.perf_counter()
+
+        def unless_cancelled(job: Job) -> Any:
+            return None if self._cancelled else job()
+
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix=COMPILE_THREAD) as pool:
-            futures = [pool.submit(job) for job in jobs]
+            futures = [pool.submit(unless_cancelled, job) for job in jobs]
             for done, f in enumerate(as_completed(futures), 1):
                 f.result()
                 if progress is not None:

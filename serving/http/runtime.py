@@ -111,6 +111,7 @@ class ModelRuntime:
         s = self.settings
         try:
             self.state = "loading"
+            started = time.monotonic()
             log.info("loading %s", s.model)
             if self._load_pooler():
                 return
@@ -124,13 +125,15 @@ class ModelRuntime:
                                        **progress_kwargs(load_checkpoint,
                                                          step if self.progress else None))
             self.checkpoint = ckpt
+            read_s = time.monotonic() - started
             check_languages(ckpt, s.source_lang, s.target_lang)
             self._vision_setup(ckpt, hook.config.max_images)
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                             placement=hook.placement, vision=ckpt.vision)
-            log.info("weights: %s%s", engine.config.dtype,
+            log.info("weights: %s%s (read in %.1f s, placed in %.1f s)", engine.config.dtype,
                      f", {engine.model_config.quantization} quantized"
-                     if engine.model_config.quantization else "")
+                     if engine.model_config.quantization else "", read_s,
+                     time.monotonic() - started - read_s)
             # The engine holds its own (per-layer, placed) params: drop the loaded stacked
             # copy, which would double the params' memory beside the memory plan.
             self.checkpoint = ckpt = dataclasses.replace(ckpt, params=None)
@@ -237,8 +240,8 @@ class ModelRuntime:
                 from metrale_jax.errors import InvalidParameterError
                 raise InvalidParameterError(f"{flag} is not available for an embedding or "
                                             "reranking model", param="task")
+        self.footprint = weights_bytes(s.model)
         if self.admit is not None:
-            self.footprint = weights_bytes(s.model)
             self.admit(self.footprint)
         with stage(self.progress, LOADING):
             pooler = load_pooler(s.model, task, dtype=s.dtype, max_slots=s.max_slots,
@@ -368,6 +371,11 @@ class ModelRuntime:
             self.pooler.close()
         elif self.scheduler is not None:
             self.scheduler.stop()
+        engine = (self.scheduler.engine if self.scheduler is not None
+                  else self._sleeping_engine)
+        programs = getattr(engine, "programs", None)
+        if programs is not None:  # a grid still compiling in the background: no more of it
+            programs.cancel_background(timeout=0)
         self._offloaded = self._sleeping_engine = None
         if self._channel is not None:  # multi-host: the others stop too (or see us go)
             self._channel.close()
@@ -507,9 +515,10 @@ class ModelRuntime:
 
 
 class _AdmittedPlacement:
-    """`PlacementHook` for a runtime in a model pool: once the memory plan is made, the KV
-    pool is bounded (every slot holding max_len, unless `num_pages` is configured) and the
-    runtime's `admit` is asked for the bytes per device before any weight is read."""
+    """`PlacementHook` that records the runtime's `footprint` once the memory plan is made;
+    for a runtime in a model pool (with `admit`), the KV pool is bounded first (every slot
+    holding max_len, unless `num_pages` is configured) and `admit` is asked for the bytes per
+    device, before any weight is read."""
 
     def __init__(self, config: Any, runtime: ModelRuntime):
         from metrale_jax.engine.placement import PlacementHook
@@ -525,13 +534,12 @@ class _AdmittedPlacement:
     def __call__(self, model_config: Any, dtype: str) -> Any:
         shardings = self._hook(model_config, dtype)
         runtime = self._runtime
-        if runtime.admit is None:
-            return shardings
-        if self.config.num_pages is None:  # other models share the device: no filling it
+        if runtime.admit is not None and self.config.num_pages is None:
+            # other models share the device: the KV pool does not fill it
             self._hook.placement = bounded_placement(self._hook.placement)
-        placement = self._hook.placement
-        runtime.footprint = placement.device_bytes
-        runtime.admit(runtime.footprint)
+        runtime.footprint = self._hook.placement.device_bytes
+        if runtime.admit is not None:
+            runtime.admit(runtime.footprint)
         return shardings
 
 
