@@ -11,7 +11,8 @@ demand), `--max-loaded-models 2 --keep-alive -1`, and its compilation cache in `
 and JAX's persistent cache as in a real deployment). Then, each round, a streamed completion
 (8 tokens) to `other` in each state, timed from the request to its first token:
 
-- warm: loaded and idle;
+- warm: loaded and idle (its grid compiled: each load's background compile is waited for
+  before the next step, as an idle model's would have ended);
 - from disk: after `POST /v1/metrale/models/unload` (weights read again, programs from the
   cache);
 - asleep, level 1: after `/sleep` level 1 (params copied back from the host, no program
@@ -96,6 +97,17 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900.0) -> Non
     raise TimeoutError("the server did not become ready")
 
 
+def settle(base: str, model: str, timeout: float = 900.0) -> None:
+    """Waits until `model`'s grid has compiled in the background (an idle model's state)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = {r["id"]: r for r in get(f"{base}/v1/metrale/models")["data"]}[model]
+        if not row["programs"]["compiling"]:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{model}'s grid did not finish compiling")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default", help="the model (default: the default one)")
@@ -117,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_ready(port, proc)
         ttft(port, "other")  # its first load fills the cache with what the primary has not
+        settle(base, "other")
         ttft(port, "other")
         for _ in range(opts.rounds):
             times.setdefault("warm", []).append(ttft(port, "other"))
@@ -125,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     ("asleep, level 2", "sleep", {"level": 2})):
                 post(f"{base}/v1/metrale/models/{route}", {"model": "other", **body})
                 times.setdefault(state, []).append(ttft(port, "other"))
+                settle(base, "other")
                 row = {r["id"]: r for r in get(f"{base}/v1/metrale/models")["data"]}["other"]
                 loads.setdefault(state, []).append(row["load_seconds"] or 0.0)
         programs = {r["id"]: r for r in get(f"{base}/v1/metrale/models")["data"]}["other"]

@@ -117,7 +117,8 @@ class ServedModel:
                 if self.resident else 0, "host_bytes": self.runtime.host_bytes,
                 "sleep_level": self.sleep_level,
                 "keep_alive": format_keep_alive(self.keep_alive), "idle_seconds": idle,
-                "programs": {"compiled": compiled, "compiled_afresh": fresh},
+                "programs": {"compiled": compiled, "compiled_afresh": fresh,
+                             "compiling": self.runtime.compiling},
                 "error": str(self.runtime.error) if self.runtime.error else None}
 
 

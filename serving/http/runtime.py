@@ -225,6 +225,12 @@ class ModelRuntime:
             return count, count
         return cache.compile_count, cache.fresh_count
 
+    @property
+    def compiling(self) -> bool:
+        """True while the engine's grid still compiles in the background."""
+        engine = self.scheduler.engine if self.scheduler is not None else None
+        return bool(getattr(getattr(engine, "programs", None), "compiling", False))
+
     def _load_pooler(self) -> bool:
         """Loads the model as a pooling model (embeddings or scores) when its files or the
         settings' `task` say it is one, and warms it up; False for a model that generates."""
