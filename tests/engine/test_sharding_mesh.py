@@ -233,6 +233,7 @@ def _check_model(name, graphdef, params, meshes, measure_floor: bool = True,
 
         reports.append(dict(
             model=name, mesh=list(shape), devices=got[3], noise_floor=floor,
+            layers=cfg.num_layers,
             prefill_fro=_fro(got[0], ref[0]), decode_fro=_fro(got[1], ref[1]),
             q_proj_spec=list(q.sharding.spec),
             q_proj_shard=list(q.addressable_shards[0].data.shape),
@@ -356,6 +357,7 @@ def test_default_model_on_its_meshes(reports):
     assert sorted(tuple(r["mesh"]) for r in rows) == sorted(DEFAULT_MODEL_MESHES)
     for r in rows:  # 9 heads: replicated on every model axis here
         assert r["q_proj_shard"] == [576, 9, 64]
+        assert r["layers"] == DEFAULT_MODEL_LAYERS
 
 
 if __name__ == "__main__":
