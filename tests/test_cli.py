@@ -1,8 +1,11 @@
 """The `metrale` command line, run as a user runs it: a subprocess, its output, its exit code.
 
-The usage errors (exit 2, one line, no traceback) run `main()` in this process instead, the
-function the console script calls (a subprocess costs an interpreter and JAX's import each);
-`test_the_console_script_exits_2_with_one_line` checks the script's own path once."""
+Most cases run `main()` in this process instead, the function the console script calls, with
+its stdout, stderr and exit code (a subprocess costs an interpreter and JAX's import each):
+the usage errors (exit 2, one line, no traceback), beams, streamed text, convert, pull and
+translation. `test_generate_json` runs a generation through `python -m serving.cli` once,
+`test_the_console_script_exits_2_with_one_line` a usage error, and
+`test_pull_reports_an_unreachable_registry` pull with pip's environment."""
 
 from __future__ import annotations
 
@@ -36,20 +39,21 @@ def test_generate_json(tiny):
     assert len(out["token_ids"]) <= 5 and out["finish_reason"] in ("length", "stop")
 
 
-def test_generate_with_beam_search(tiny):
-    r = metrale("generate", "--model", str(tiny), "--prompt", "quick brown", "--max-tokens", "6",
-                "--num-beams", "3", "--length-penalty", "0.6", "--early-stopping", "true",
-                "--max-len", "64", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_generate_with_beam_search(tiny, capsys):
+    code, out, err = run_main(capsys, "generate", "--model", str(tiny), "--prompt",
+                              "quick brown", "--max-tokens", "6", "--num-beams", "3",
+                              "--length-penalty", "0.6", "--early-stopping", "true",
+                              "--max-len", "64", "--json")
+    assert code == 0, err
+    out = json.loads(out)
     assert len(out["beams"]) == 1 and out["beams"][0]["token_ids"] == out["token_ids"]
 
 
-def test_generate_streams_text(tiny):
-    r = metrale("generate", "--model", str(tiny), "--prompt", "fox", "--max-tokens", "6",
-                "--temperature", "0", "--max-len", "64")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.endswith("\n")
+def test_generate_streams_text(tiny, capsys):
+    code, out, err = run_main(capsys, "generate", "--model", str(tiny), "--prompt", "fox",
+                              "--max-tokens", "6", "--temperature", "0", "--max-len", "64")
+    assert code == 0, err
+    assert out.endswith("\n")
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -75,25 +79,26 @@ def test_the_console_script_exits_2_with_one_line(tiny):
     assert "Traceback" not in r.stderr
 
 
-def test_convert_then_generate_from_orbax(tiny, tmp_path):
+def test_convert_then_generate_from_orbax(tiny, tmp_path, capsys):
     dst = tmp_path / "native"
-    r = metrale("convert", str(tiny), str(dst))
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main(capsys, "convert", str(tiny), str(dst))
+    assert code == 0, err
     assert (dst / "metrale.json").is_file()
-    again = metrale("convert", str(tiny), str(dst))
-    assert again.returncode == 2 and "already exists" in again.stderr
-    a = metrale("generate", "--model", str(tiny), "--prompt", "fox", "--max-tokens", "4",
-                "--temperature", "0", "--max-len", "64", "--json")
-    b = metrale("generate", "--model", str(dst), "--prompt", "fox", "--max-tokens", "4",
-                "--temperature", "0", "--max-len", "64", "--json")
-    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+    code, _, err = run_main(capsys, "convert", str(tiny), str(dst))
+    assert code == 2 and "already exists" in err
+    runs = [run_main(capsys, "generate", "--model", str(model), "--prompt", "fox",
+                     "--max-tokens", "4", "--temperature", "0", "--max-len", "64", "--json")
+            for model in (tiny, dst)]
+    assert [code for code, _, _ in runs] == [0, 0], [err for _, _, err in runs]
+    a, b = (json.loads(out) for _, out, _ in runs)
+    assert a["token_ids"] == b["token_ids"]
 
 
-def test_pull_is_idempotent(default_gguf):
+def test_pull_is_idempotent(default_gguf, capsys):
     before = default_gguf.stat().st_mtime_ns
-    r = metrale("pull")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == str(default_gguf)
+    code, out, err = run_main(capsys, "pull")
+    assert code == 0, err
+    assert out.strip() == str(default_gguf)
     assert default_gguf.stat().st_mtime_ns == before
 
 
@@ -136,20 +141,21 @@ def _nllb_reference(hf, folder, text, src, tgt, max_new, **kw) -> list[int]:
 NLLB_SHAPES = ("--max-len", "32", "--max-source-len", "64")
 
 
-def test_generate_translates(nllb):
+def test_generate_translates(nllb, capsys):
     folder, hf = nllb
     text = "Hello world, how are you today?"
-    r = metrale("generate", "--model", str(folder), "--prompt", text, "--source-lang",
-                "eng_Latn", "--target-lang", "deu_Latn", "--max-tokens", "8", *NLLB_SHAPES,
-                "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    code, out, err = run_main(capsys, "generate", "--model", str(folder), "--prompt", text,
+                              "--source-lang", "eng_Latn", "--target-lang", "deu_Latn",
+                              "--max-tokens", "8", *NLLB_SHAPES, "--json")
+    assert code == 0, err
+    out = json.loads(out)
     assert out["token_ids"] == _nllb_reference(hf, folder, text, "eng_Latn", "deu_Latn", 8)
-    beams = metrale("generate", "--model", str(folder), "--prompt", text, "--source-lang",
-                    "eng_Latn", "--target-lang", "fra_Latn", "--max-tokens", "8",
-                    "--num-beams", "3", "--length-penalty", "0.6", *NLLB_SHAPES, "--json")
-    assert beams.returncode == 0, beams.stderr
-    assert json.loads(beams.stdout)["token_ids"] == _nllb_reference(
+    code, beams, err = run_main(capsys, "generate", "--model", str(folder), "--prompt", text,
+                                "--source-lang", "eng_Latn", "--target-lang", "fra_Latn",
+                                "--max-tokens", "8", "--num-beams", "3", "--length-penalty",
+                                "0.6", *NLLB_SHAPES, "--json")
+    assert code == 0, err
+    assert json.loads(beams)["token_ids"] == _nllb_reference(
         hf, folder, text, "eng_Latn", "fra_Latn", 8, num_beams=3, length_penalty=0.6)
 
 

@@ -5,6 +5,7 @@ only its own dependencies (the HTTP server no CLI toolkit, the library no web se
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -160,16 +161,21 @@ print(json.dumps({"loaded": sorted({m.split(".")[0] for m in sys.modules}),
 """
 
 
-def _imports_of(code: str) -> tuple[set[str], set[tuple[str, str]]]:
-    """Runs `code` in a fresh interpreter; returns the top-level packages then in
-    `sys.modules`, and `(package, importing module)` for each `import` statement that named
-    rich, textual, matplotlib, quart or hypercorn."""
-    script = f"{_SPY}\n{code}\n{_REPORT}"
+Imports = tuple[set[str], set[tuple[str, str]]]
+
+
+def _imports_of(*stages: str) -> list[Imports]:
+    """Runs the code of each stage in turn in one fresh interpreter; after each, the
+    top-level packages then in `sys.modules`, and `(package, importing module)` for each
+    `import` statement so far that named rich, textual, matplotlib, quart or hypercorn.
+    (A stage that imports more after a first `import X` sees what a fresh interpreter would
+    after the same statements: one interpreter, and one JAX import, for both.)"""
+    script = _SPY + "".join(f"\n{code}\n{_REPORT}" for code in stages)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    return set(report["loaded"]), {tuple(pair) for pair in report["importers"]}
+    reports = [json.loads(line) for line in out.stdout.strip().splitlines()[-len(stages):]]
+    return [(set(r["loaded"]), {tuple(pair) for pair in r["importers"]}) for r in reports]
 
 
 def _walk(package: str) -> str:
@@ -182,10 +188,19 @@ def _walk(package: str) -> str:
 CLI_TOOLKITS = {"textual", "rich", "matplotlib"}
 
 
+@functools.cache
+def _serving_http_imports() -> list[Imports]:
+    """`import serving.http`, then every module under serving/http (one interpreter)."""
+    return _imports_of(
+        "import serving.http\nimport sys\n"
+        "assert 'serving.cli' not in sys.modules, 'CLI loaded'",
+        _walk("serving.http") + "\nimport sys\n"
+        "assert not [m for m in sys.modules if m.startswith('serving.cli')], 'CLI loaded'")
+
+
 def test_import_serving_http_loads_no_cli_toolkit():
     """`python -c "import serving.http"` loads neither the CLI's toolkits nor the CLI."""
-    loaded, _ = _imports_of("import serving.http\nimport sys\n"
-                            "assert 'serving.cli' not in sys.modules, 'CLI loaded'")
+    loaded, _ = _serving_http_imports()[0]
     assert not loaded & CLI_TOOLKITS
 
 
@@ -193,9 +208,7 @@ def test_http_server_never_imports_cli_toolkits():
     """Every module under serving/http imported: textual and matplotlib are not loaded, no
     serving module imports rich, textual or matplotlib (rich itself is loaded by flax, which
     the model layer needs: `flax.linen.summary` imports it), and no module of the CLI is."""
-    loaded, importers = _imports_of(
-        _walk("serving.http") + "\nimport sys\n"
-        "assert not [m for m in sys.modules if m.startswith('serving.cli')], 'CLI loaded'")
+    loaded, importers = _serving_http_imports()[1]
     assert "quart" in loaded and "hypercorn" in loaded  # the walk did reach the server
     assert not loaded & {"textual", "matplotlib"}
     ours = {(pkg, who) for pkg, who in importers
@@ -206,11 +219,10 @@ def test_http_server_never_imports_cli_toolkits():
 def test_library_loads_no_web_server():
     """`import metrale_jax`, and then every module of it, loads neither Quart nor Hypercorn
     (nor anything of serving)."""
-    loaded, _ = _imports_of("import metrale_jax")
+    (loaded, _), (walked, importers) = _imports_of("import metrale_jax", _walk("metrale_jax"))
     assert "jax" in loaded
     assert not loaded & {"quart", "hypercorn", "serving"}
-    loaded, importers = _imports_of(_walk("metrale_jax"))
-    assert not loaded & {"quart", "hypercorn", "serving"}
+    assert not walked & {"quart", "hypercorn", "serving"}
     assert not {pair for pair in importers if pair[0] in ("quart", "hypercorn")}
 
 

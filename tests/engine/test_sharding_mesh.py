@@ -7,22 +7,24 @@ page pools), jitted, once on one device and once per mesh of its `MODEL_MESHES` 
 and page pools placed by `engine/sharding.py`, and
 prints a JSON report that the test below checks. Models: random tiny configs whose head counts
 divide the model axis (and some that do not: kv heads replicated), a tiny Hugging Face
-checkpoint, and the default model (9 heads / 3 kv heads) on mesh (2, 4).
+checkpoint, and the default model (9 heads / 3 kv heads; its first `DEFAULT_MODEL_LAYERS`
+layers, real weights) on mesh (2, 4).
 
 "Within 1e-5 relative": `max|a - b| / max|b|` (the fidelity tests' measure) and the Frobenius
 `|a - b| / |b|`, over all logits of a phase (prefill, decode). The tiny models meet 1e-5 (the
 largest seen, 7e-6, is a decode step on the data-only mesh); the default model's prefill logits
-(30 layers, 576 wide) do not always. On XLA:CPU float32 rounding alone moves them by 1-3e-5
-(max measure) on ONE device, when nothing but the batch changes (8 rows at once, or 4, 2 or 1
-at a time: other GEMM blocking) or against float64 matmuls (the float32 error itself). A
-sharded run reorders the same sums (an MLP split over 4 devices adds 4 partial sums), so the
-bound comes from that floor, measured in the child for each checkpoint on the same prompts: the
-largest of those one-device differences times `NOISE_FACTOR`, where that exceeds 1e-5, for
-both phases. (The random tiny models are held to 1e-5 itself, without measuring a floor.)
-The factor is 4: two float32 results that are each within the floor of the exact one are
-within 2x the floor of each other, and the sharded runs have come within 1.8x. A wrong
-result (a missing reduction, a shard read as another) moves logits by O(1), four orders of
-magnitude above the bound (the closing note of issue #13 shows such a mutation failing).
+(all 30 layers, 576 wide) do not always (its first 4: within 1.1e-6, floor 2.2e-6). On XLA:CPU
+float32 rounding alone moves them by 1-3e-5 (max measure) on ONE device, when nothing but the
+batch changes (8 rows at once, or 4, 2 or 1 at a time: other GEMM blocking) or against float64
+matmuls (the float32 error itself). A sharded run reorders the same sums (an MLP split over 4
+devices adds 4 partial sums), so the bound comes from that floor, measured in the child for
+each checkpoint on the same prompts: the largest of those one-device differences times
+`NOISE_FACTOR`, where that exceeds 1e-5, for both phases. (The random tiny models are held to
+1e-5 itself, without measuring a floor.) The factor is 4: two float32 results that are each
+within the floor of the exact one are within 2x the floor of each other, and the sharded runs
+have come within 1.8x. A wrong result (a missing reduction, a shard read as another) moves
+logits by O(1), four orders of magnitude above the bound (the closing note of issue #13 shows
+such a mutation failing).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ MODEL_MESHES = {"llama-h8-k8": [(2, 4), (8, 1)], "qwen3-h8-k2": [(4, 2), (1, 8)]
                 "gemma2-h8-k4": [(4, 2), (1, 8)], "hf-llama-h4-k2": [(1, 8), (2, 4)],
                 "default": [(2, 4)]}
 DEFAULT_MODEL_MESHES = MODEL_MESHES["default"]
+# The default model's first layers only: its 30 share one shape and one sharding rule, and
+# each unrolled layer adds to the compile of every program the child builds (eight for it).
+DEFAULT_MODEL_LAYERS = 4
 
 
 # ---- the child -----------------------------------------------------------------------------
@@ -187,10 +192,24 @@ def _noise_floor(graph, params, prompts, batch_logits) -> dict[str, float]:
             "fro": max(_fro(o, batch_logits) for o in others)}
 
 
-def _check_model(name, graphdef, params, meshes, measure_floor: bool = True):
+def _first_layers(graph, layer_params, layers: int):
+    """The model cut to its first `layers` layers (the embedding, final norm and head kept)."""
+    import dataclasses
+
+    from metrale_jax.models.unrolled import LayerParams
+
+    cfg = dataclasses.replace(graph.cfg, num_layers=layers)
+    return (dataclasses.replace(graph, cfg=cfg),
+            LayerParams(layer_params.outer, layer_params.layers[:layers]))
+
+
+def _check_model(name, graphdef, params, meshes, measure_floor: bool = True,
+                 layers: int | None = None):
     """The single-device run vs each mesh: a report dict per mesh, with the one-device noise
     floor of the model's prefill logits (`_noise_floor`), or None without `measure_floor`
-    (the random tiny models: their bound is 1e-5 itself, which the floor could only raise)."""
+    (the random tiny models: their bound is 1e-5 itself, which the floor could only raise).
+    layers: run only the model's first `layers` layers (every layer is sharded by the same
+    rules; each unrolled layer adds to every program's compile)."""
     import jax
     import numpy as np
 
@@ -198,6 +217,8 @@ def _check_model(name, graphdef, params, meshes, measure_floor: bool = True):
     from metrale_jax.models.unrolled import split_layers
 
     graph, layer_params = split_layers(graphdef, params)
+    if layers is not None and layers < graph.cfg.num_layers:
+        graph, layer_params = _first_layers(graph, layer_params, layers)
     cfg = graph.cfg
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (B, T))
@@ -212,6 +233,7 @@ def _check_model(name, graphdef, params, meshes, measure_floor: bool = True):
 
         reports.append(dict(
             model=name, mesh=list(shape), devices=got[3], noise_floor=floor,
+            layers=cfg.num_layers,
             prefill_fro=_fro(got[0], ref[0]), decode_fro=_fro(got[1], ref[1]),
             q_proj_spec=list(q.sharding.spec),
             q_proj_shard=list(q.addressable_shards[0].data.shape),
@@ -244,9 +266,10 @@ def child_main(spec: dict) -> None:
         params = jax.tree.map(lambda x: x * 3.0 if x.ndim > 1 else x, params)
         reports += _check_model(name, graphdef, params, MODEL_MESHES[name],
                                 measure_floor=False)
-    for label, path, meshes in spec["checkpoints"]:
+    for label, path, meshes, layers in spec["checkpoints"]:
         ckpt = load_checkpoint(path)
-        reports += _check_model(label, ckpt.graphdef, ckpt.params, [tuple(m) for m in meshes])
+        reports += _check_model(label, ckpt.graphdef, ckpt.params, [tuple(m) for m in meshes],
+                                layers=layers)
     print_report(reports)
 
 
@@ -259,10 +282,10 @@ def reports(tmp_path_factory) -> list[dict]:
     from tests.conftest import CACHE
 
     hf = build_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
-    checkpoints = [["hf-llama-h4-k2", str(hf), MODEL_MESHES["hf-llama-h4-k2"]]]
+    checkpoints = [["hf-llama-h4-k2", str(hf), MODEL_MESHES["hf-llama-h4-k2"], None]]
     default = default_model_path()
     if default.is_file():
-        checkpoints.append(["default", str(default), DEFAULT_MODEL_MESHES])
+        checkpoints.append(["default", str(default), DEFAULT_MODEL_MESHES, DEFAULT_MODEL_LAYERS])
     spec = dict(checkpoints=checkpoints, cache_dir=str(CACHE))
     return run_child(__file__, json.dumps(spec), timeout=900)
 
@@ -334,6 +357,7 @@ def test_default_model_on_its_meshes(reports):
     assert sorted(tuple(r["mesh"]) for r in rows) == sorted(DEFAULT_MODEL_MESHES)
     for r in rows:  # 9 heads: replicated on every model axis here
         assert r["q_proj_shard"] == [576, 9, 64]
+        assert r["layers"] == DEFAULT_MODEL_LAYERS
 
 
 if __name__ == "__main__":

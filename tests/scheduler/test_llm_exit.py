@@ -1,14 +1,22 @@
 """A script that never calls `LLM.close()` still exits cleanly: the batching loop is stopped
 at interpreter exit instead of being torn down inside XLA, which aborted the process (exit
 134, "terminate called after throwing an instance of ''") in about half of the runs on the
-default model. Three runs: each exits 0 with nothing on stderr."""
+default model. Three runs: each exits 0 with nothing on stderr.
+
+In the "default-model" xdist group (tests/conftest.py), after the shared default `LLM` has run
+prompts on the same shapes: the scripts' programs come from the persistent compilation cache
+instead of the first script compiling them beside that worker."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import DEFAULT_MODEL_SHAPES
+
+pytestmark = pytest.mark.xdist_group("default-model")
 
 SCRIPT = """
 import sys

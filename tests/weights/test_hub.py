@@ -23,6 +23,7 @@ from devtools.hf_models import build_tiny_checkpoint
 from metrale_jax.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from metrale_jax.weights.checkpoint import resolve
 from metrale_jax.weights.hub import HubName, parse_hub_name, pick_gguf, resolve_hub_name
+from tests.serving.conftest import run_main
 from tests.weights.fake_hub import serve_fake_hub
 from tests.weights.test_gguf_reader import make
 
@@ -99,13 +100,6 @@ def offline(monkeypatch) -> None:
     """HF_HUB_OFFLINE=1 from now on, in this process and its subprocesses."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hf.constants, "HF_HUB_OFFLINE", True)
-
-
-def run_metrale(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m serving.cli ARGS` in a subprocess of this tree, with the test environment."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "serving.cli", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 # ---- names ----------------------------------------------------------------------------------
@@ -299,22 +293,26 @@ def test_local_path_wins(fake_hub, hub_env, tmp_path, monkeypatch):
 
 # ---- the CLI --------------------------------------------------------------------------------
 
-def test_cli_pull_and_generate_by_name(fake_hub, hub_env):
-    pulled = run_metrale("pull", "org/tiny-gguf:Q8_0")
-    assert pulled.returncode == 0, pulled.stderr
-    path = Path(pulled.stdout.strip().splitlines()[-1])
+def test_cli_pull_and_generate_by_name(fake_hub, hub_env, capsys):
+    """`metrale pull` and `generate` by Hub name: `main()` in this process (the console
+    script's function; the Hub's settings patched here as in the environment), each run's
+    exit code, stdout and stderr."""
+    code, out, err = run_main(capsys, "pull", "org/tiny-gguf:Q8_0")
+    assert code == 0, err
+    path = Path(out.strip().splitlines()[-1])
     assert path.name == "tiny-Q8_0.gguf" and path.is_relative_to(hub_env)
-    generated = run_metrale("generate", "--model", "org/tiny-llama", "--prompt", "quick brown",
-                            "--max-tokens", "5", "--temperature", "0", "--max-len", "64",
-                            "--json")  # tests/test_cli.py's shapes: its compiled programs
-    assert generated.returncode == 0, generated.stderr
-    assert 1 <= len(json.loads(generated.stdout)["token_ids"]) <= 5
+    code, out, err = run_main(capsys, "generate", "--model", "org/tiny-llama", "--prompt",
+                              "quick brown", "--max-tokens", "5", "--temperature", "0",
+                              "--max-len", "64",
+                              "--json")  # tests/test_cli.py's shapes: its compiled programs
+    assert code == 0, err
+    assert 1 <= len(json.loads(out)["token_ids"]) <= 5
     assert fake_hub.file_gets("org/tiny-llama")
-    missing = run_metrale("generate", "--model", "org/nothing", "--max-tokens", "2")
-    assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines() == [
+    code, _, err = run_main(capsys, "generate", "--model", "org/nothing", "--max-tokens", "2")
+    assert code == 2
+    assert err.strip().splitlines() == [
         f"metrale: error: model 'org/nothing' not found: no such file or folder, and no "
         f"Hugging Face repo org/nothing at {fake_hub.url} (a private repo needs HF_TOKEN)"]
-    bad_tag = run_metrale("pull", "org/tiny-gguf:IQ1")
-    assert bad_tag.returncode == 2 and "Traceback" not in bad_tag.stderr
-    assert "Files: tiny-Q4_K_M.gguf" in bad_tag.stderr
+    code, _, err = run_main(capsys, "pull", "org/tiny-gguf:IQ1")
+    assert code == 2 and "Traceback" not in err
+    assert "Files: tiny-Q4_K_M.gguf" in err

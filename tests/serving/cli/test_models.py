@@ -1,27 +1,37 @@
-"""`metrale models` as a subprocess: the table, --json, and its exit codes."""
+"""`metrale models`: the table, --json, and its exit codes, through `main()` in this process
+(the console script's function; tests/test_cli.py checks the script's own path)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from types import SimpleNamespace
+
+import pytest
 
 from serving.cli.models import human_bytes, human_count
 from tests.serving.conftest import ROOT, run_main
 from tests.weights.test_catalog import write_small_gguf
 
 
-def models(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serving.cli", "models", *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu",
-                               # no Hub cache's models beside the folder's, unless given
-                               "HF_HUB_CACHE": os.path.join(ROOT, "no-hub-cache"),
-                               **(env or {})})
+@pytest.fixture
+def models(capsys, monkeypatch):
+    """`metrale models ARGS` with `env` set, no Hub cache's models beside the folder's:
+    `models(*args, env=...)` -> (returncode, stdout, stderr)."""
+    import huggingface_hub
+
+    def run(*args: str, env: dict | None = None) -> SimpleNamespace:
+        no_hub = os.path.join(ROOT, "no-hub-cache")
+        monkeypatch.setenv("HF_HUB_CACHE", no_hub)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", no_hub)
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        code, out, err = run_main(capsys, "models", *args)
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run
 
 
-def test_lists_the_checkpoints_folder(tmp_path):
+def test_lists_the_checkpoints_folder(tmp_path, models):
     write_small_gguf(tmp_path / "small.gguf")
     (tmp_path / "junk.bin").write_bytes(b"\0" * 10)
     r = models(env={"METRALE_CHECKPOINTS": str(tmp_path)})
@@ -34,7 +44,7 @@ def test_lists_the_checkpoints_folder(tmp_path):
     assert "not a .gguf file" in why
 
 
-def test_json_and_dir(tmp_path):
+def test_json_and_dir(tmp_path, models):
     write_small_gguf(tmp_path / "small.gguf")
     r = models("--dir", str(tmp_path), "--json")
     assert r.returncode == 0, r.stderr
@@ -58,7 +68,7 @@ def test_human_units():
     assert human_count(999) == "999" and human_count(7_241_732_096) == "7.2B"
 
 
-def test_available_lists_the_registry_models_and_their_aliases(tmp_path):
+def test_available_lists_the_registry_models_and_their_aliases(tmp_path, models):
     """`--available`: every name `metrale pull` fetches, with license, size and whether it is
     pulled; the alias `smollm2-135m` resolves to the default model's file."""
     from metrale_jax.weights.checkpoint import resolve

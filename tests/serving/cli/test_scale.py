@@ -1,7 +1,9 @@
 """The scale-out flags of `metrale generate` / `serve`: --mesh, --memory-gb, 0 = "choose",
 the multi-host flags' checks, and a sharded orbax restore on 2 fake devices from the CLI.
-Runs that load a model are subprocesses, as a user runs them; the usage errors (exit 2 before
-loading) run `main()` in this process (tests/test_cli.py checks the console script's path)."""
+Runs that read the log or need more devices than this process sees are subprocesses, as a
+user runs them; the usage errors (exit 2 before loading), convert and the one-device run the
+sharded one is compared with run `main()` in this process (tests/test_cli.py checks the
+console script's path)."""
 
 from __future__ import annotations
 
@@ -65,18 +67,20 @@ def test_serve_refuses_a_plan_that_does_not_fit(tiny, capsys):
 
 
 @pytest.mark.slow
-def test_sharded_orbax_generate_matches_one_device(tiny, tmp_path):
+def test_sharded_orbax_generate_matches_one_device(tiny, tmp_path, capsys):
     """`metrale convert` output, restored straight onto a (1, 2) mesh by load_checkpoint's
     placement hook, generates the single-device tokens."""
     native = tmp_path / "native"
-    assert metrale("convert", str(tiny), str(native)).returncode == 0
-    one = metrale("generate", "--model", str(native), *GEN, "--max-len", "64")
+    code, _, err = run_main(capsys, "convert", str(tiny), str(native))
+    assert code == 0, err
+    code, one, err = run_main(capsys, "generate", "--model", str(native), *GEN, "--max-len",
+                              "64")
+    assert code == 0, err
     two = metrale("-v", "generate", "--model", str(native), *GEN, "--max-len", "64",
                   "--mesh", "data=1,model=2", devices=2)
-    assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr[-3000:]
     assert "orbax, sharded" in two.stderr and "mesh data=1,model=2" in two.stderr
-    assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+    assert json.loads(two.stdout)["token_ids"] == json.loads(one)["token_ids"]
 
 
 @pytest.mark.parametrize("share", ["1.5", "-0.1"])
