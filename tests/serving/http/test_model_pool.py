@@ -196,6 +196,32 @@ def test_a_model_with_a_request_in_flight_is_never_evicted(pool, reference):
     assert complete(url, "b") == reference["b"]  # room now
 
 
+def test_an_unload_waits_for_the_requests_in_flight(pool):
+    """Unloading a model with a request in flight: the model is "unloading", the request
+    finishes whole, then the model unloads; requests on another model go on meanwhile."""
+    url = pool.url
+    complete(url, "c")
+    engine, entered, release = _held(pool, "c")
+    stream = OpenStream(url, "/v1/completions", {"model": "c", "prompt": PROMPT,
+                                                  "max_tokens": 4, "ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        try:
+            assert entered.wait(60)
+            unloading = ex.submit(admin, url, "unload", model="c")
+            wait_state(url, "c", "unloading")
+            assert complete(url, "a") == complete(url, "a")  # another model serves
+            assert not unloading.done()
+        finally:
+            release.set()
+            del engine.step
+        events = stream.finish()
+        assert events[-1] == "[DONE]"
+        assert [c["finish_reason"] for e in events[:-1] for c in e.get("choices", [])
+                if c["finish_reason"]] == ["length"]  # all 4 tokens
+        status, row = unloading.result(timeout=60)
+        assert status == 200 and row["state"] == "on_disk"
+
+
 def test_keep_alive_zero_unloads_after_the_answer(pool, reference):
     url = pool.url
     assert complete(url, "b", keep_alive=0) == reference["b"]
