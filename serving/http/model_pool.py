@@ -230,14 +230,10 @@ class ModelPool:
                 self._start(model, "waking", self._wake(model))
             elif model.state in ("on_disk", "failed"):
                 self._start(model, "loading", self._load(model))
-            else:  # the primary model still loading at start
-                await model.runtime.wait_loaded()
-                if model.runtime.state == "failed" and not self.several:
-                    continue
-                if model.runtime.state != "ready":
-                    raise UnavailableError(f"the model {model.name!r} is not ready yet "
-                                           f"({model.runtime.state})", code="not_ready",
-                                           retry_after=5)
+            else:  # the primary model still loading at start (/health says 503 too)
+                raise UnavailableError(f"the model {model.name!r} is not ready yet "
+                                       f"({model.runtime.state})", code="not_ready",
+                                       retry_after=5)
         self._cancel_expiry(model)
         model.in_flight += 1
         model.requests += 1
