@@ -16,8 +16,10 @@ log = logging.getLogger(__name__)
 
 
 def run_follower(engine: Any, channel: FollowerChannel,
-                 load_adapter: Callable[[str, str], Any] | None = None) -> None:
-    """Makes the leader's engine calls, in its order, until it says stop.
+                 load_adapter: Callable[[str, str], Any] | None = None) -> str:
+    """Makes the leader's engine calls, in its order, until it says stop ("stop": the
+    server ends) or unload ("unload": a server of several models let this engine go; a
+    "load" of the next one follows). Returns which.
 
     `load_adapter(path, name)` reads the LoRA adapter the leader loaded from `path` (each
     process reads its own copy, as each loads the model), for this engine's model and rank;
@@ -32,8 +34,10 @@ def run_follower(engine: Any, channel: FollowerChannel,
     while True:
         message = channel.receive()
         op = message["op"]
-        if op == "stop":
-            return
+        if op in ("stop", "unload"):
+            if in_flight is not None:
+                jax.block_until_ready(in_flight)
+            return op
         args, kwargs = decode(message.get("args", [])), decode(message.get("kwargs", {}))
         try:
             if op == "init":  # its state is donated to the next call: wait for it now

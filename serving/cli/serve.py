@@ -105,9 +105,6 @@ def _check_model_flags(args: argparse.Namespace) -> None:
                            else parse_keep_alive(args.keep_alive, "--keep-alive"))
     except MetraleError as e:
         raise MetraleError(e.message) from None
-    if (args.models or args.models_dir) and args.num_processes not in (None, 1):
-        raise MetraleError("several models (--model twice, --models-dir) are served on one "
-                           "host only; a multi-host server serves one model")
 
 
 def _check_media_flags(args: argparse.Namespace) -> None:

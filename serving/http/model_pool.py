@@ -134,29 +134,37 @@ class ModelPool:
         if default_keep is None:
             default_keep = DEFAULT_POOL_KEEP_ALIVE if self.several else math.inf
         self.default_keep_alive = default_keep
-        if self.several and settings.num_processes > 1:
-            raise InvalidParameterError("several models in one server are served on one host "
-                                        "only (a multi-host server serves one model)",
-                                        param="model")
+        # Multi-host: every process must run every program in one order, so one model is
+        # loaded at a time; process 0 tells the others which (`_load`, `_unload`) over the
+        # side channel, which the pool takes over from the first model's runtime.
+        self.multihost = self.several and settings.num_processes > 1
+        self.channel: Any = None
         self.models: dict[str, ServedModel] = {}
         for entry in entries:
-            rt = runtime if entry.primary and runtime is not None else self._runtime(entry)
+            given = runtime if entry.primary else None
+            rt = (given if given is not None and given.state != "starting"
+                  else self._runtime(entry, given))
             self.models[entry.name] = ServedModel(
                 entry.name, entry.settings, entry.primary, rt, default_keep,
                 borrowed=entry.primary and runtime is not None and rt.state != "starting")
         self.primary = next(m for m in self.models.values() if m.primary)
         self._initial = self.primary.runtime
-        self.max_loaded = settings.max_loaded_models
+        self.max_loaded = 1 if self.multihost else settings.max_loaded_models
         self.budget = self._budget(settings)
         self._changed: asyncio.Event | None = None
         self._room = asyncio.Lock()
 
-    def _runtime(self, entry: CatalogEntry | ServedModel) -> ModelRuntime:
-        """A fresh runtime of `entry` (a pool of several models asks it for room)."""
+    def _runtime(self, entry: CatalogEntry | ServedModel,
+                 runtime: ModelRuntime | None = None) -> ModelRuntime:
+        """A fresh runtime of `entry`, or `runtime` (handed over, not started) made one of
+        the pool's: in a pool of several models it asks for room before loading and, on
+        several hosts, follows the pool's side channel."""
+        runtime = runtime or ModelRuntime(entry.settings)
         if not self.several:
-            return ModelRuntime(entry.settings)
+            return runtime
         model = entry if isinstance(entry, ServedModel) else None
-        runtime = ModelRuntime(entry.settings)
+        runtime.shared_channel = self.channel
+        runtime.follower_engine = self.follower_engine
         runtime.admit = lambda need: self._admit_from_thread(model or self.models[entry.name],
                                                              need)
         return runtime
@@ -304,7 +312,7 @@ class ModelPool:
         await self.load(model)
 
     def _refuse_borrowed(self, model: ServedModel) -> None:
-        if model.borrowed or self.settings.num_processes > 1:
+        if model.borrowed or (self.settings.num_processes > 1 and not self.several):
             raise InvalidParameterError(
                 f"the model {model.name!r} is held by this process's owner (a notebook's LLM "
                 "or a multi-host server) and cannot be unloaded or put to sleep here",
@@ -334,8 +342,10 @@ class ModelPool:
         t0 = time.monotonic()
         async with self._room:
             await self._make_room(model, model.footprint)
-            if model.runtime.state != "starting":
+            if model.runtime.state != "starting" or self.multihost:
                 model.runtime = self._runtime(model)
+            if self.multihost:  # the other processes load it too, now, in this order
+                self.channel.send({"op": "load", "model": model.name})
             model.runtime.start()
         await model.runtime.wait_loaded()
         rt = model.runtime
@@ -356,9 +366,13 @@ class ModelPool:
     async def _unload(self, model: ServedModel, sleep_level: int = 0) -> None:
         await self._wait_idle(model)
         old = model.runtime
+        if self.multihost and self.channel is None:  # the first model's, from now the pool's
+            self.channel = old.release_channel()
         model.runtime = self._runtime(model)
         await asyncio.to_thread(old.stop)
         del old
+        if self.multihost:  # its batching loop is stopped: the others let it go too
+            self.channel.send({"op": "unload"})
         await asyncio.to_thread(_collect)
         model.sleep_level = sleep_level
         log.info("model %s %s", model.name, "asleep (level 2)" if sleep_level else "unloaded")
@@ -472,11 +486,29 @@ class ModelPool:
 
     # ---- the server's end --------------------------------------------------------------
     def stop(self) -> None:
-        """Stops every runtime the pool owns (the server's end)."""
+        """Stops every runtime the pool owns (the server's end; multi-host: the other
+        processes stop too)."""
         for model in self.models.values():
             self._cancel_expiry(model)
             if not model.borrowed:
                 model.runtime.stop()
+        if self.channel is not None:
+            self.channel.close()
+
+    def follower_engine(self, name: str) -> Any:
+        """A follower process's engine of model `name`, which process 0 loads now: read,
+        placed and warmed up as process 0's (called on the follower's replay thread)."""
+        model = self.models.get(name)
+        if model is None:
+            raise RuntimeError(f"process 0 loads {name!r}, which this process does not serve: "
+                               "start every process with the same --model flags")
+        runtime = ModelRuntime(model.settings)
+        engine = runtime.load_engine()
+        if model.settings.warmup_mode != "none":
+            engine.warmup()
+        log.info("process %d: %s loaded, replaying process 0's calls",
+                 self.settings.process_id, name)
+        return engine
 
     def rows(self) -> list[dict[str, Any]]:
         """Every model's `ServedModel.describe()`, the primary first."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -74,6 +75,11 @@ class ModelRuntime:
         self._loaded = threading.Event()
         self._channel: Any = None  # the multi-host side channel, when there is one
         self._sleeping_engine: Any = None  # a sleeping model's engine (its programs)
+        # A multi-host server of several models (serving/http/model_pool.py): the side
+        # channel the pool holds (process 0, every model after the first), and how a
+        # follower builds the engine of the model process 0 loads next.
+        self.shared_channel: Any = None
+        self.follower_engine: Callable[[str], Any] | None = None
 
     @classmethod
     def from_llm(cls, llm: Any, settings: ServerSettings) -> ModelRuntime:
@@ -106,8 +112,6 @@ class ModelRuntime:
         return thread
 
     def _load(self) -> None:
-        from metrale_jax.engine import Engine, EngineConfig
-        from metrale_jax.weights.checkpoint import load_checkpoint
         s = self.settings
         try:
             self.state = "loading"
@@ -115,35 +119,12 @@ class ModelRuntime:
             log.info("loading %s", s.model)
             if self._load_pooler():
                 return
-            # The mesh and memory plan are decided before any weight is read (see
-            # engine/placement.py); an impossible configuration fails here.
-            hook = _AdmittedPlacement(EngineConfig(max_slots=s.max_slots, max_len=s.max_len,
-                                                   **s.engine_options), self)
-            with stage(self.progress, LOADING) as step:
-                ckpt = load_checkpoint(s.model, s.dtype, shardings=hook,
-                                       quantization=s.engine_options.get("quantization"),
-                                       **progress_kwargs(load_checkpoint,
-                                                         step if self.progress else None))
-            self.checkpoint = ckpt
-            read_s = time.monotonic() - started
-            check_languages(ckpt, s.source_lang, s.target_lang)
-            self._vision_setup(ckpt, hook.config.max_images)
-            engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
-                            placement=hook.placement, vision=ckpt.vision)
-            log.info("weights: %s%s (read in %.1f s, placed in %.1f s)", engine.config.dtype,
-                     f", {engine.model_config.quantization} quantized"
-                     if engine.model_config.quantization else "", read_s,
-                     time.monotonic() - started - read_s)
-            # The engine holds its own (per-layer, placed) params: drop the loaded stacked
-            # copy, which would double the params' memory beside the memory plan.
-            self.checkpoint = ckpt = dataclasses.replace(ckpt, params=None)
-            release_free_memory()
-            self.engine_config = engine.config
+            engine = self.load_engine(started)
             if s.num_processes > 1:
                 engine = self._join_processes(engine)
                 if engine is None:  # a follower: replaying process 0's calls
                     return
-            self.loras = self._read_loras(ckpt.config, engine.config)
+            self.loras = self._read_loras(self.checkpoint.config, engine.config)
             self.state = "warming_up"
             with stage(self.progress if s.warmup_mode != "none" else None,
                        COMPILING) as step:
@@ -160,6 +141,40 @@ class ModelRuntime:
             self.state = "failed"
         finally:
             self._loaded.set()
+
+    def load_engine(self, started: float | None = None) -> Any:
+        """Reads the checkpoint and builds its placed `Engine` (not warmed up): the memory
+        plan first (`admit` asked), then the weights. Sets `checkpoint` (without its params,
+        which the engine holds) and `engine_config`."""
+        from metrale_jax.engine import Engine, EngineConfig
+        from metrale_jax.weights.checkpoint import load_checkpoint
+        s = self.settings
+        started = time.monotonic() if started is None else started
+        # The mesh and memory plan are decided before any weight is read (see
+        # engine/placement.py); an impossible configuration fails here.
+        hook = _AdmittedPlacement(EngineConfig(max_slots=s.max_slots, max_len=s.max_len,
+                                               **s.engine_options), self)
+        with stage(self.progress, LOADING) as step:
+            ckpt = load_checkpoint(s.model, s.dtype, shardings=hook,
+                                   quantization=s.engine_options.get("quantization"),
+                                   **progress_kwargs(load_checkpoint,
+                                                     step if self.progress else None))
+        self.checkpoint = ckpt
+        read_s = time.monotonic() - started
+        check_languages(ckpt, s.source_lang, s.target_lang)
+        self._vision_setup(ckpt, hook.config.max_images)
+        engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
+                        placement=hook.placement, vision=ckpt.vision)
+        log.info("weights: %s%s (read in %.1f s, placed in %.1f s)", engine.config.dtype,
+                 f", {engine.model_config.quantization} quantized"
+                 if engine.model_config.quantization else "", read_s,
+                 time.monotonic() - started - read_s)
+        # The engine holds its own (per-layer, placed) params: drop the loaded stacked
+        # copy, which would double the params' memory beside the memory plan.
+        self.checkpoint = ckpt = dataclasses.replace(ckpt, params=None)
+        release_free_memory()
+        self.engine_config = engine.config
+        return engine
 
     def _start_scheduler(self, engine: Any, warmup: str, progress: Any = None) -> None:
         """Starts the batching loop on `engine` and waits for its warmup (raises its error)."""
@@ -311,6 +326,8 @@ class ModelRuntime:
         process 0's calls in a thread, and returns None."""
         from metrale_jax import multihost
         s = self.settings
+        if s.process_id == 0 and self.shared_channel is not None:  # the pool's, told to load
+            return multihost.LeaderEngine(engine, self.shared_channel)
         self._channel = multihost.connect(s.process_id, s.num_processes, self._peer_lost)
         if s.process_id == 0:
             return multihost.LeaderEngine(engine, self._channel)
@@ -335,7 +352,18 @@ class ModelRuntime:
                                      engine.config.max_lora_rank)
 
         try:
-            multihost.run_follower(engine, self._channel, load_adapter)
+            while multihost.run_follower(engine, self._channel, load_adapter) == "unload":
+                # A server of several models: process 0 let this model go; the next
+                # message names the one it loads (or stops the server).
+                engine = None
+                gc.collect()
+                message = self._channel.receive()
+                if message["op"] == "stop":
+                    break
+                if message["op"] != "load" or self.follower_engine is None:
+                    raise RuntimeError(f"process 0 sent {message['op']!r} where this process "
+                                       "waited for the next model to load")
+                engine = self.follower_engine(str(message["model"]))
         except BaseException as e:
             if self.state == "stopped":  # our own stop() hung up
                 return
@@ -385,6 +413,12 @@ class ModelRuntime:
         self._offloaded = self._sleeping_engine = None
         if self._channel is not None:  # multi-host: the others stop too (or see us go)
             self._channel.close()
+
+    def release_channel(self) -> Any:
+        """Process 0 of a multi-host server of several models: hands the side channel over
+        to the model pool (`stop` then leaves it open); None when this runtime has none."""
+        channel, self._channel = self._channel, None
+        return channel
         if self._media_pool is not None:  # downloads under way end at their own timeout
             self._media_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -7,7 +7,7 @@ devices (kv heads replicated). Checked: a request to process 0 gives the tokens 
 single-process run, with and without a LoRA adapter (given at start-up, or loaded at runtime:
 every process reads it); process 1 answers only /health; a process that dies makes the other fail
 its in-flight request with a clear error and exit non-zero (`EXIT_PEER_LOST`) within a
-timeout.
+timeout; a server of two models swaps them on every process in process 0's order.
 """
 
 from __future__ import annotations
@@ -277,9 +277,24 @@ def test_two_processes_serve_like_one_and_fail_cleanly_when_one_dies(model, adap
 
 
 @pytest.mark.slow
-def test_followers_exit_when_process_0_dies(model, tmp_path):
-    pair = Pair(model, tmp_path)
+def test_several_models_swap_in_step_then_followers_exit_when_process_0_dies(
+        model, reference, tmp_path):
+    """A multi-host server of two models (the same weights under a second name): a request
+    to the unloaded one makes every process unload the loaded one and load it, in process
+    0's order (one model at a time), and it answers with the same tokens; back and forth.
+    Then process 0 dies: the follower exits."""
+    pair = Pair(model, tmp_path, ("--model", f"twin={model}", "--warmup", "none"))
     try:
+        leader, _ = pair.urls
+        for served in (model, "twin", model):
+            status, body = _completion(leader, served, max_tokens=16)
+            assert status == 200, body
+            assert body["choices"][0]["token_ids"] == reference["token_ids"], served
+        states = {m["id"]: m["state"] for m in json.loads(urllib.request.urlopen(
+            leader + "/v1/metrale/models", timeout=30).read())["data"]}
+        assert states == {str(model): "loaded", "twin": "on_disk"}
+        assert pair.procs[1].poll() is None
+        assert "twin loaded, replaying process 0's calls" in pair.stderr(1)
         pair.procs[0].send_signal(signal.SIGKILL)
         code = pair.wait(1)
         assert code != 0
