@@ -38,7 +38,7 @@ def models(tmp_path_factory):
     from metrale_jax.engine.config import EngineConfig
     from metrale_jax.engine.placement import PlacementHook
     from metrale_jax.weights.checkpoint import load_checkpoint
-    from serving.http.runtime import bounded_placement
+    from serving.http.model_memory import bounded_placement
     root = tmp_path_factory.mktemp("model-pool")
     paths = {}
     for seed, name in enumerate("abc"):
