@@ -7,6 +7,8 @@ continuation of that prompt alone.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -34,13 +36,29 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> list[list[i
     return np.stack(outs, axis=1).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "qwen2"])
-def test_greedy_matches_transformers(arch, tmp_path):
-    hf = build_hf_model(arch, tmp_path)
+class Model(NamedTuple):
+    """A tiny HF model of one family and an engine (max_len 256) over its weights."""
+    hf: torch.nn.Module
+    cfg: object
+    engine: object
+
+
+@pytest.fixture(scope="module")
+def model(request, tmp_path_factory) -> Model:
+    """The tiny model and engine of the family `request.param`, one a module: both tests
+    run gemma2's (one build, one compile of its programs)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = build_hf_model(request.param, folder)
     hf.generation_config.eos_token_id = None
-    cfg = read_hf_config(tmp_path)
-    graphdef, params = assemble_params(cfg, read_safetensors(tmp_path), tmp_path)
-    engine = make_engine(cfg, graphdef, params)
+    cfg = read_hf_config(folder)
+    graphdef, params = assemble_params(cfg, read_safetensors(folder), folder)
+    return Model(hf, cfg, make_engine(cfg, graphdef, params, max_len=256))
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma2", "gemma3", "qwen2"], indirect=True)
+def test_greedy_matches_transformers(model):
+    hf, cfg, engine = model
+    arch = cfg.architecture
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
     ours = run_engine(engine, prompts, NEW_TOKENS)
@@ -53,16 +71,13 @@ def test_greedy_matches_transformers(arch, tmp_path):
         assert got == ref, f"{arch}, prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
-def test_greedy_across_attention_lengths_with_few_active_slots(arch, tmp_path):
+@pytest.mark.parametrize("model", ["mistral", "gemma2"], indirect=True)
+def test_greedy_across_attention_lengths_with_few_active_slots(model):
     """Two requests in an 8-slot engine (only the first rows are computed), decoding from
     position ~100 past 128, where attention switches to a longer cache prefix; both archs
     have sliding-window layers (window 8)."""
-    hf = build_hf_model(arch, tmp_path)
-    hf.generation_config.eos_token_id = None
-    cfg = read_hf_config(tmp_path)
-    graphdef, params = assemble_params(cfg, read_safetensors(tmp_path), tmp_path)
-    engine = make_engine(cfg, graphdef, params, max_len=256)
+    hf, cfg, engine = model
+    arch = cfg.architecture
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (100, 111)]
     state = engine.init_decode_state()

@@ -125,14 +125,17 @@ def test_draw_frequencies_chi_square(case, many_draws_fn):
 
 
 def test_greedy_logprobs_and_top(draw_fn):
+    """Six rows, the batch of `test_row_draw_ignores_the_rest_of_the_batch` (one compile of
+    `draw_fn` for both): two greedy, four sampled."""
     rng = np.random.default_rng(3)
-    logits = (2.0 * rng.standard_normal((4, V))).astype(np.float32)
-    s = arrays([(0.0, 0, 1.0, 0.0), (0.0, 5, 0.5, 0.2), (1.0, 0, 1.0, 0.0), (0.5, 3, 1.0, 0.0)])
-    out = draw_fn(jnp.asarray(logits), s, jnp.zeros(4, jnp.int32))
+    logits = (2.0 * rng.standard_normal((6, V))).astype(np.float32)
+    s = arrays([(0.0, 0, 1.0, 0.0), (0.0, 5, 0.5, 0.2), (1.0, 0, 1.0, 0.0), (0.5, 3, 1.0, 0.0),
+                (1.0, 40, 0.9, 0.0), (0.7, 0, 1.0, 0.05)])
+    out = draw_fn(jnp.asarray(logits), s, jnp.zeros(6, jnp.int32))
     ref_lp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
     tokens = np.asarray(out.tokens)
     assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()
-    np.testing.assert_allclose(out.logprobs, np.asarray(ref_lp)[np.arange(4), tokens], rtol=1e-6)
+    np.testing.assert_allclose(out.logprobs, np.asarray(ref_lp)[np.arange(6), tokens], rtol=1e-6)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, axis=-1)[:, :5])
     best = np.sort(np.asarray(ref_lp), axis=-1)[:, ::-1][:, :5]
     np.testing.assert_allclose(out.top_logprobs, best, rtol=1e-6)
@@ -164,15 +167,17 @@ def test_candidate_draw_equals_full_vocabulary_draw():
     st = arrays([(1.0, 5, 1.0, 0.0), (1.0, 40, 0.9, 0.0), (1.0, 0, 0.5, 0.0),
                  (1.0, 0, 0.95, 0.05), (1.0, 300, 1.0, 0.0), (1.0, 1, 1.0, 0.0)], vocab=V)
     st = dataclasses.replace(st, keys=jnp.zeros((B, 2), jnp.uint32))
-    keep = kept_mask(x, st)
+    keep = jax.jit(kept_mask)(x, st)
 
-    @jax.jit  # one program for all seeds (op by op, each primitive compiles on its own)
-    def both(steps):
+    # One program for all seeds (op by op, each primitive compiles on its own); the logits and
+    # settings are its arguments, not constants (XLA would fold their sorts at compile time).
+    @jax.jit
+    def both(x, st, keep, steps):
         row_keys = step_keys(st, steps)
         got = _draw(x, st, row_keys, want_keep=False).tokens
         g = jax.vmap(lambda k: _token_noise(k, jnp.arange(V)))(row_keys)
         return got, jnp.argmax(jnp.where(keep, x + g, -jnp.inf), axis=-1)
 
     for seed in range(20):
-        got, want = both(jnp.full((B,), seed, jnp.int32))
+        got, want = both(x, st, keep, jnp.full((B,), seed, jnp.int32))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -25,8 +25,9 @@ from metrale_jax.weights.safetensors_reader import read_safetensors
 from tests.engine.conftest import make_engine
 
 ARCHS = ("llama", "gemma2")  # gemma2: its sliding layers keep rings (window_cache)
-"""test_greedy_hf's tiny models and engine shapes: their prefill and decode programs come from
-the compilation cache that those tests fill; only the verify program is new."""
+"""test_greedy_hf's tiny models and engine shapes (max_len 256): their prefill and decode
+programs come from the compilation cache that those tests fill; only the verify program is
+new."""
 SLOT = 7  # the last row: decode steps of all 8 rows, as test_greedy_hf's
 K = 4
 STEPS = 28
@@ -40,7 +41,7 @@ def _engine(arch: str, folder):
     build_hf_model(arch, folder)
     cfg = read_hf_config(folder)
     graphdef, params = assemble_params(cfg, read_safetensors(folder), folder)
-    return make_engine(cfg, graphdef, params, speculative_tokens=K)
+    return make_engine(cfg, graphdef, params, max_len=256, speculative_tokens=K)
 
 
 def _active(engine) -> np.ndarray:
