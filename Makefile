@@ -1,5 +1,12 @@
 # Two commands on a fresh machine: `make serve` and `make test`.
 PYTHON ?= python3
+
+# Python writes its bytecode (.pyc) even where the machine says not to
+# (PYTHONDONTWRITEBYTECODE=1 here, and uv installs none): otherwise each process (the test
+# run's 3 workers and the subprocesses its tests start, `metrale pull`, the server) compiles
+# jax, transformers and the project from source again. Importing them: 12.7 s of CPU
+# without .pyc files, 6.5 s with (14.9 s for the process that writes them).
+export PYTHONDONTWRITEBYTECODE :=
 VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
@@ -64,11 +71,6 @@ docs: $(VENV)/.installed-test
 	@$(check_readme_links)
 
 # The environment and the Debian packages install side by side (two jobs of a sub-make).
-# Python writes its bytecode (.pyc) during the run even where the machine says not to
-# (PYTHONDONTWRITEBYTECODE=1 here, and uv installs none): otherwise each of the run's
-# processes (3 workers and the subprocesses tests start) compiles jax, transformers and the
-# project from source again. Importing them:
-# 12.7 s of CPU without .pyc files, 6.5 s with (14.9 s for the process that writes them).
 # pytest runs on jemalloc where it is installed (LD_PRELOAD, inherited by every subprocess):
 # XLA's compiler allocates and frees millions of small objects, and compiling is most of the
 # suite's time (test_engine, test_int4_engine and test_default_model_greedy, cold cache:
@@ -80,7 +82,7 @@ test:
 	$(BIN)/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(SITE)
 	@$(check_readme_links)
-	LD_PRELOAD="$$(ls $(JEMALLOC_GLOB) 2>/dev/null | head -n 1)" PYTHONDONTWRITEBYTECODE= \
+	LD_PRELOAD="$$(ls $(JEMALLOC_GLOB) 2>/dev/null | head -n 1)" \
 	  $(BIN)/python -m pytest -n 3 --dist loadgroup -q --durations=10
 
 lint: $(VENV)/.installed-test

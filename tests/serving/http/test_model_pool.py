@@ -134,10 +134,11 @@ def test_alternating_requests_swap_models_within_the_budget(pool, reference):
     assert states(url) == {"a": "loaded", "b": "loaded", "c": "on_disk"}
     assert complete(url, "c") == reference["c"]  # a, the least recently used, makes room
     assert states(url) == {"a": "on_disk", "b": "loaded", "c": "loaded"}
-    for name in "abca":  # each one evicts the least recently used
+    for name in "ab":  # each one evicts the least recently used
         assert complete(url, name) == reference[name], name
+    assert states(url) == {"a": "loaded", "b": "loaded", "c": "on_disk"}
     table = rows(url)
-    assert table["a"]["loads"] == 3 and table["b"]["loads"] == 2 and table["c"]["loads"] == 2
+    assert table["a"]["loads"] == 2 and table["b"]["loads"] == 2 and table["c"]["loads"] == 1
     assert sum(r["memory_bytes"] for r in table.values()) <= pool.state.pool.budget
     # A model loaded again finds every program it runs in the compilation cache.
     assert table["a"]["programs"]["compiled"] > 0
@@ -145,7 +146,7 @@ def test_alternating_requests_swap_models_within_the_budget(pool, reference):
     with urllib.request.urlopen(url + "/metrics") as r:
         metrics = r.read().decode()
     assert 'metrale:model_state{model="a",state="loaded"} 1.0' in metrics
-    assert 'metrale:model_loads_total{model="a"} 3.0' in metrics
+    assert 'metrale:model_loads_total{model="a"} 2.0' in metrics
     answer = client.completions.create(model="b", prompt=PROMPT, max_tokens=2)
     assert answer.model == "b"
 
