@@ -34,7 +34,9 @@ class GenerationRequest:
     is also the waiting queue's unit of fairness (scheduler/waiting.py: round-robin across
     tenants, FIFO within one). tenant_slots: the most slots (rows) the tenant's requests may
     hold at once while others wait (None: no cap), read from the request at the head of the
-    tenant's queue.
+    tenant's queue. priority: vLLM's, lower value first (default 0): orders the waiting queue
+    within the tenants' fairness, and a waiting request may preempt a running one of a worse
+    (higher) value (scheduler/waiting.py, scheduler/scheduler.py).
     source: for an encoder-decoder (translation) model, the encoder's input ids (the text to
     translate); `prompt_ids` are then the decoder's prompt (`[</s>, target language]` for
     NLLB). Empty for a decoder-only model.
@@ -57,20 +59,22 @@ class GenerationRequest:
     images: tuple[Any, ...] = ()
     tenant_slots: int | None = None
     pooling: bool = False
+    priority: int = 0
 
     @classmethod
     def make(cls, prompt_ids: Sequence[int], params: SamplingParams,
              timeout: float | None = None, request_id: str | None = None,
              tenant: str | None = None, cache_salt: str | None = None,
              source: Sequence[int] = (), images: Sequence[Any] = (),
-             tenant_slots: int | None = None, pooling: bool = False) -> GenerationRequest:
+             tenant_slots: int | None = None, pooling: bool = False,
+             priority: int = 0) -> GenerationRequest:
         """Builds a request; `timeout` seconds from now becomes the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         kw = {"request_id": request_id} if request_id else {}
         return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline,
                    tenant=tenant, cache_salt=cache_salt,
                    source=tuple(int(t) for t in source), images=tuple(images),
-                   tenant_slots=tenant_slots, pooling=pooling, **kw)
+                   tenant_slots=tenant_slots, pooling=pooling, priority=priority, **kw)
 
 
 class RequestHandle:

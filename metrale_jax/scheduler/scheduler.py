@@ -53,7 +53,7 @@ from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.speculation import Speculation
 from metrale_jax.scheduler.steps import StepRunner
 from metrale_jax.scheduler.validation import RequestValidator
-from metrale_jax.scheduler.waiting import WaitingQueue
+from metrale_jax.scheduler.waiting import WaitingQueue, priority_of
 
 WARMUP_MODES = ("serve", "full", "none")
 """How a `Scheduler` compiles before it serves (its `warmup` argument)."""
@@ -96,6 +96,8 @@ class Scheduler:
         self._wake = threading.Condition(self._lock)
         self._waiting = WaitingQueue()
         self._cancelled: set[str] = set()
+        # request id of a sequence preempted by priority -> the one it made room for
+        self._made_room_for: dict[str, Sequence] = {}
         self._running = True
         self._ready = threading.Event()
         self.startup_error: BaseException | None = None  # set when warmup failed
@@ -307,21 +309,32 @@ class Scheduler:
         with self._lock:
             dropped = self._waiting.remove_where(gone)
         for seq in dropped:
+            self._made_room_for.pop(seq.request.request_id, None)
             seq.handle.post(event(seq))
 
     def _admit(self) -> None:
-        """Moves waiting requests into free slots (lowest first), round-robin across tenants
-        (scheduler/waiting.py); their prompts are then prefilled piece by piece along the next
-        steps. A beam search takes its W rows at once."""
+        """Moves waiting requests into free slots (lowest first): by priority within the
+        tenants' fairness (scheduler/waiting.py); their prompts are then prefilled piece by
+        piece along the next steps. A beam search takes its W rows at once. Then, while a
+        waiting request of a better priority cannot go for want of rows, or an admitted one
+        of a better priority cannot prefill for want of pages, it preempts worse ones
+        (`_preempt_for_priority`) and admits again."""
+        for _ in range(2 * self.num_slots + 2):  # each round frees a worse sequence
+            self._admit_free()
+            if not self._preempt_for_priority():
+                return
+
+    def _admit_free(self) -> None:
+        """One admission round into the free slots."""
         free = self.rows.free_slots()
         if not free:
             return
-        held = collections.Counter(s.request.tenant for s in self.rows.seqs if s is not None)
+        held = self._held()
         with self._lock:
             admitted: list[tuple[list[int], Sequence]] = []
             while free and self._waiting:
                 # (a beam search takes its rows at once: `take` waits for them)
-                seq = self._waiting.take(len(free), held.__getitem__)
+                seq = self._waiting.take(len(free), held.__getitem__, self._yields)
                 if seq is None:
                     break
                 width = seq.request.params.num_beams
@@ -335,17 +348,117 @@ class Scheduler:
                 self.beams.start(seq, slots)
         self.stats["admitted"] += sum(1 for _, s in admitted if not s.token_ids)
 
-    def _preempt(self) -> bool:
-        """Frees the most recently admitted sequence's row and puts its request back at the
-        head of the queue (recomputed later); a sequence alone that outgrew the pool ends
-        with finish_reason "length". False when nothing could be freed."""
-        newest = self.rows.newest()
-        if newest is None:
+    def _held(self) -> collections.Counter:
+        """{tenant: rows its sequences hold}."""
+        return collections.Counter(s.request.tenant for s in self.rows.seqs if s is not None)
+
+    def _by_worst(self) -> list[tuple[int, float, int, Sequence]]:
+        """(priority, admitted at, slot, sequence) of each sequence holding rows, worst
+        first: the highest priority value, then the most recently admitted."""
+        out, seen = [], set()
+        for slot, (rid, at) in list(self.rows.admitted_at.items()):
+            seq = self.rows[slot]
+            if seq is not None and seq.request.request_id == rid and id(seq) not in seen:
+                seen.add(id(seq))
+                out.append((priority_of(seq), at, slot, seq))
+        out.sort(key=lambda r: (-r[0], -r[1]))
+        return out
+
+    def _yields(self, seq: Sequence) -> bool:
+        """Whether `seq`, preempted by priority, still waits for the request it made room for
+        (until that one's prompt is in: no thrash); forgets the link once it is not."""
+        rid = seq.request.request_id
+        for_seq = self._made_room_for.get(rid)
+        if for_seq is None:
             return False
-        slot, holders = newest
-        seq = self.rows[slot]
+        if any(self.rows[slot] is for_seq for slot in self.rows.prefilling):
+            return True
+        del self._made_room_for[rid]
+        return False
+
+    def _preempt_for_priority(self) -> bool:
+        """Preemption by priority: when the request the queue would admit next wants rows
+        and none are free, or the best-priority prompt being prefilled cannot get the pages
+        of its next piece, the running sequences of a strictly worse (higher) priority value
+        give way, worst first (then the most recently admitted): their rows and pages are
+        freed and their requests go back to the queue, to be recomputed later, as
+        `_preempt` does. Never for an equal priority. True when something was freed (or
+        the steps in flight were read first): the caller admits again."""
+        beneficiary, victims = None, []
+        with self._lock:
+            head = self._waiting.peek(self._held().__getitem__, self._yields)
+        if head is not None:
+            want = head.request.params.num_beams - len(self.rows.free_slots())
+            if want > 0:
+                beneficiary, victims = head, self._victims(priority_of(head), want, False)
+        if not victims:
+            beneficiary = self._stalled_prompt()
+            if beneficiary is not None:
+                victims = self._victims(priority_of(beneficiary), 1, True)
+        if not victims:
+            return False
+        if self.steps.pending:  # a victim's tokens must be known: read them first
+            self.steps.drain()
+            return True
+        for slot, seq in victims:
+            for row in (seq.beam.rows if seq.beam is not None else [slot]):
+                self.rows.free(row)  # a beam search starts again from its prompt
+            seq.beam = None
+            self.stats["preempted_by_priority"] += 1
+            self._made_room_for[seq.request.request_id] = beneficiary
+            with self._lock:
+                self._waiting.appendleft(seq)
+        return True
+
+    def _victims(self, priority: int, rows: int, pages: bool) -> list[tuple[int, Sequence]]:
+        """The running sequences, worst first, of a priority value above `priority` that
+        free `rows` rows together ([] when they cannot); with `pages`, only those holding
+        pages."""
+        out, freed = [], 0
+        owned = self.engine.pages.owned
+        for prio, _, slot, seq in self._by_worst():
+            if prio <= priority:
+                break
+            held = seq.beam.rows if seq.beam is not None else [slot]
+            if pages and not any(int(owned[r]) for r in held):
+                continue
+            out.append((slot, seq))
+            freed += len(held)
+            if freed >= rows:
+                return out
+        return []
+
+    def _stalled_prompt(self) -> Sequence | None:
+        """The best-priority prompt being prefilled (the first admitted among equals) whose
+        next piece (up to the smallest chunk bucket) the KV pool cannot hold beside the pages
+        the decoding rows need for their next token; None when none is stalled."""
+        if not self.rows.prefilling:
+            return None
+        pages, lengths = self.engine.pages, self.engine.lengths
+        decode_need = sum(pages.shortfall(b, int(lengths[b]) + 1)
+                          for b, s in enumerate(self.rows.decoding()) if s is not None)
+        left = pages.free_pages - decode_need
+        smallest = self.engine.config.chunk_buckets[0]
+        best = None
+        for slot in self.rows.prefilling:
+            seq = self.rows[slot]
+            size = min(len(seq.feed) - seq.fed, smallest)
+            if (pages.shortfall(slot, seq.fed + size) > left
+                    and (best is None or priority_of(seq) < priority_of(best))):
+                best = seq
+        return best
+
+    def _preempt(self) -> bool:
+        """Frees the worst-priority (highest value), then most recently admitted, sequence's
+        row and puts its request back at the head of the queue (recomputed later); a sequence
+        alone that outgrew the pool ends with finish_reason "length". False when nothing
+        could be freed."""
+        running = self._by_worst()
+        if not running:
+            return False
+        _, _, slot, seq = running[0]
         rows = seq.beam.rows if seq.beam is not None else [slot]
-        if holders == 1:  # nothing else holds pages: the pool can't hold this sequence
+        if len(running) == 1:  # nothing else holds pages: the pool can't hold this sequence
             seq.end_for_length()
             for row in rows:
                 self.rows.free(row)
