@@ -252,7 +252,7 @@ class LLM:
         return [int(t) for t in prompt]
 
     def _submit(self, prompt_ids: list[int], params, source: Sequence[int] = (),
-                images: Sequence[Any] = ()):
+                images: Sequence[Any] = (), priority: int = 0):
         from metrale_jax.scheduler import GenerationRequest
         self._refuse_generation()
         if self.config.is_encoder_decoder and not source:
@@ -260,7 +260,8 @@ class LLM:
                 f"model {self.checkpoint.name!r} is a translation model: use translate()",
                 param="prompt")
         return self.scheduler.submit(GenerationRequest.make(prompt_ids, params,
-                                                            source=source, images=images))
+                                                            source=source, images=images,
+                                                            priority=priority))
 
     def translate(self, texts: str | Sequence[str], source_lang: str | None = None,
                   target_lang: str | None = None, sampling_params=None, *,
@@ -300,12 +301,17 @@ class LLM:
         return [collect(h) for h in handles]
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 sampling_params=None) -> list[Completion]:
+                 sampling_params=None, *,
+                 priority: int | Sequence[int] | None = None) -> list[Completion]:
         """Generates for each prompt (text or token ids), all run together in the batch.
 
         `sampling_params`: one `SamplingParams` for all, or a list with one per prompt.
+        `priority` (vLLM's): one integer for all or one per prompt, lower first (default
+        0), a signed 32-bit value: orders the waiting queue, and a waiting request may
+        preempt a running one of a worse value (scheduler/waiting.py).
         """
         from metrale_jax.scheduler import SamplingParams
+        from metrale_jax.scheduler.waiting import check_priority
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -313,8 +319,14 @@ class LLM:
         if len(per) != len(prompts):
             raise InvalidParameterError("give one SamplingParams, or one per prompt",
                                         param="sampling_params")
-        handles = [self._submit(self._encode(p), sp)
-                   for p, sp in zip(prompts, per, strict=True)]
+        prios = [0] * len(prompts) if priority is None else (
+            list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts))
+        if len(prios) != len(prompts):
+            raise InvalidParameterError("give one priority, or one priority per prompt",
+                                        param="priority")
+        prios = [check_priority(p) for p in prios]
+        handles = [self._submit(self._encode(p), sp, priority=pr)
+                   for p, sp, pr in zip(prompts, per, prios, strict=True)]
         return [collect(h) for h in handles]
 
     def chat(self, messages: list[dict[str, Any]], sampling_params=None,

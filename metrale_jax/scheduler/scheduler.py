@@ -354,14 +354,15 @@ class Scheduler:
 
     def _by_worst(self) -> list[tuple[int, float, int, Sequence]]:
         """(priority, admitted at, slot, sequence) of each sequence holding rows, worst
-        first: the highest priority value, then the most recently admitted."""
+        first: the highest priority value, then the most recently admitted (then the
+        highest slot: one round admits several at once)."""
         out, seen = [], set()
         for slot, (rid, at) in list(self.rows.admitted_at.items()):
             seq = self.rows[slot]
             if seq is not None and seq.request.request_id == rid and id(seq) not in seen:
                 seen.add(id(seq))
                 out.append((priority_of(seq), at, slot, seq))
-        out.sort(key=lambda r: (-r[0], -r[1]))
+        out.sort(key=lambda r: (-r[0], -r[1], -r[2]))
         return out
 
     def _yields(self, seq: Sequence) -> bool:
