@@ -17,7 +17,9 @@
 
 A generation reserves its most possible tokens through `submit(gen)` and gets its tenant
 (`GenerationRequest.tenant`, the prefix cache's isolation key) and the tenant's share of the
-slots (`tenant_slots`) from `generation_options()`. The tenant and the key's name appear in
+slots (`tenant_slots`) from `generation_options(priority)`, which also refuses (403) a
+request `priority` below the key's `min_priority` (default 0 for a key, unbounded for an
+admin key or an open server). The tenant and the key's name appear in
 logs and stats; the key never does. A model or adapter the key may not use is answered as
 one that does not exist (`visible_model`, `visible_adapter`): 404 `model_not_found` for
 `model`, the unknown-id 400 for llama.cpp's `lora` list, and /v1/models lists only what
@@ -42,6 +44,16 @@ from serving.http.limits import Limiter
 from serving.http.settings import ServerSettings
 
 log = logging.getLogger(__name__)
+
+
+class PriorityNotAllowedError(PermissionDeniedError):
+    """A request `priority` more urgent than its key's `min_priority` allows: 403 with
+    param "priority" and code "priority_not_allowed"."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.param = "priority"
+        self.code = "priority_not_allowed"
 
 ADMIN_ROUTES = (("GET", "/v1/metrale/stats"), ("GET", "/v1/metrale/usage"),
                 ("POST", "/lora-adapters"), ("POST", "/v1/load_lora_adapter"),
@@ -141,12 +153,19 @@ class Access:
             return {}
         return ctx.limiter.headers(self.limiter.clock())
 
-    def generation_options(self) -> dict[str, Any]:
-        """The current request's tenant and its share of the slots, for `Generation`."""
+    def generation_options(self, priority: int = 0) -> dict[str, Any]:
+        """The current request's tenant, its share of the slots and its `priority`, for
+        `Generation`. A priority more urgent (lower) than the key's `lowest_priority` is a
+        403 (`PriorityNotAllowedError`), never clamped: the client learns its limit."""
         ctx = current()
         if ctx is None or ctx.key is None or self.keys is None:
-            return {}
-        return {"tenant": ctx.tenant,
+            return {"priority": priority}
+        lowest = ctx.key.lowest_priority
+        if lowest is not None and priority < lowest:
+            raise PriorityNotAllowedError(
+                f"this API key may not send a priority below {lowest} (got {priority}; "
+                "lower values are more urgent)")
+        return {"tenant": ctx.tenant, "priority": priority,
                 "tenant_slots": self.keys.policy(ctx.key.tenant).max_concurrent}
 
     def submit(self, gen: Any) -> None:

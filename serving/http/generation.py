@@ -72,6 +72,7 @@ class Generation:
         tenant, cache_salt: the prefix cache's isolation key (`GenerationRequest`); the
             tenant is also the scheduler's unit of fairness.
         tenant_slots: the most slots the tenant's requests may hold at once (None: no cap).
+        priority: every engine request's `priority` (lower first; scheduler/waiting.py).
         sources: a translation model's encoder inputs, one per prompt (the prompts are then
             the decoder's); their tokens count as prompt tokens. None: a decoder-only model.
         images: a vision-language model's `PromptImage`s, one tuple per prompt (their
@@ -83,7 +84,7 @@ class Generation:
                  tenant: str | None = None, cache_salt: str | None = None,
                  sources: Sequence[Sequence[int]] | None = None,
                  images: Sequence[Sequence[Any]] | None = None,
-                 tenant_slots: int | None = None):
+                 tenant_slots: int | None = None, priority: int = 0):
         self.runtime = runtime
         self.metrics = metrics
         self.timeout = timeout
@@ -103,7 +104,7 @@ class Generation:
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{len(self.requests)}",
                     tenant=tenant, cache_salt=cache_salt, source=source,
-                    images=pictures, tenant_slots=tenant_slots))
+                    images=pictures, tenant_slots=tenant_slots, priority=priority))
                 self.choices += [ChoiceState(len(self.choices) + i, p, counted)
                                  for i in range(n)]
                 continue
@@ -115,7 +116,7 @@ class Generation:
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{index}",
                     tenant=tenant, cache_salt=cache_salt, source=source,
-                    images=pictures, tenant_slots=tenant_slots))
+                    images=pictures, tenant_slots=tenant_slots, priority=priority))
                 self.choices.append(ChoiceState(index, p, counted))
         self.handles: list[Any] = []
         self._tasks: list[asyncio.Task] = []

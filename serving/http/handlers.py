@@ -95,7 +95,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
     params = output.adjust_params(params, rt.tokenizer, req.tools, req.thinking_budget)
     gen = Generation(rt, state.metrics, [prompt], params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
-                     images=[images], **state.access.generation_options())
+                     images=[images], **state.access.generation_options(req.priority))
     gen.check()
     state.access.submit(gen)  # reserves its tokens against the key's limits
     env = Envelope("chatcmpl", "chat.completion", name, rt.fingerprint)
@@ -136,7 +136,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest,
                                  lora=lora)
     gen = Generation(rt, state.metrics, prompts, params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
-                     **state.access.generation_options())
+                     **state.access.generation_options(req.priority))
     gen.check("prompt")
     state.access.submit(gen)  # reserves its tokens against the key's limits
     env = Envelope("cmpl", "text_completion", name, rt.fingerprint)
@@ -154,7 +154,8 @@ def _translate(state: ServerState, rt: ModelRuntime, req: Any, texts: list[str],
                                 prompt_param)
     gen = Generation(rt, state.metrics, [x.prompt for x in inputs], params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
-                     sources=[x.source for x in inputs], **state.access.generation_options())
+                     sources=[x.source for x in inputs],
+                     **state.access.generation_options(req.priority))
     gen.check(prompt_param)
     state.access.submit(gen)  # reserves its tokens against the key's limits
     return gen

@@ -11,6 +11,9 @@
     tokens_per_minute = 100000
     max_concurrent_requests = 8
     daily_tokens = 2000000
+    min_priority = 0            # the most urgent (lowest) `priority` it may send: lower
+                                # asks are a 403 (default: 0 for a key, unlimited for an
+                                # admin key; a request's own default priority is 0)
     enabled = true              # false: answered 401 like an unknown key
     admin = false               # true: /v1/metrale/stats, /v1/metrale/usage and the
                                 # adapter-changing routes
@@ -39,13 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from metrale_jax.errors import MetraleError
+from metrale_jax.scheduler.waiting import PRIORITY_MAX, PRIORITY_MIN
 
 DEFAULT_TENANT = "default"
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
            "daily_tokens")
 _KEY_FIELDS = {"key", "key_sha256", "name", "tenant", "models", "adapters", "enabled",
-               "admin", *_LIMITS}
+               "admin", "min_priority", *_LIMITS}
 _TENANT_FIELDS = {"max_concurrent"}
 _DUMMY = hashlib.sha256(b"metrale: no such key").digest()
 
@@ -80,7 +84,9 @@ class ApiKey:
     """One key's entry, without the key: its digest, name, tenant, rights and limits.
 
     models / adapters: the names it may use (None: all). A model or adapter it may not use
-    is answered exactly as one that does not exist.
+    is answered exactly as one that does not exist. min_priority: the most urgent (lowest)
+    request `priority` it may send (None: the default, 0 for a key and no bound for an
+    admin key; see `lowest_priority`).
     """
 
     digest: bytes
@@ -91,6 +97,14 @@ class ApiKey:
     limits: Limits = Limits()
     enabled: bool = True
     admin: bool = False
+    min_priority: int | None = None
+
+    @property
+    def lowest_priority(self) -> int | None:
+        """The lowest `priority` value the key may send (None: any)."""
+        if self.min_priority is not None:
+            return self.min_priority
+        return None if self.admin else 0
 
     def may_use_model(self, name: str) -> bool:
         """Whether the key may send `name` as the request's model."""
@@ -209,7 +223,8 @@ def _parse_key(raw: Any, where: str) -> ApiKey:
     tenant = _string(raw, "tenant", where, DEFAULT_TENANT)
     limits = Limits(**{f: _count(raw, f, where) for f in _LIMITS})
     return ApiKey(d, name, tenant, _names(raw, "models", where), _names(raw, "adapters", where),
-                  limits, _flag(raw, "enabled", where, True), _flag(raw, "admin", where, False))
+                  limits, _flag(raw, "enabled", where, True), _flag(raw, "admin", where, False),
+                  _priority(raw, "min_priority", where))
 
 
 def _parse_tenants(raw: Any, source: str) -> dict[str, TenantPolicy]:
@@ -240,6 +255,16 @@ def _count(raw: dict, field: str, where: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise KeyFileError(f"{where}: {field!r} must be a whole number >= 1")
+    return value
+
+
+def _priority(raw: dict, field: str, where: str) -> int | None:
+    value = raw.get(field)
+    if value is None:
+        return None
+    lo, hi = PRIORITY_MIN, PRIORITY_MAX
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise KeyFileError(f"{where}: {field!r} must be a whole number from {lo} to {hi}")
     return value
 
 

@@ -19,9 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.sampling_fields import FIELD, REQUIRED, api_bound, api_default, spellings
 from metrale_jax.scheduler import SamplingParams
+from metrale_jax.scheduler.waiting import PRIORITY_MAX, PRIORITY_MIN
 from serving.http.tools.request import ToolChoice, parse_tool_choice, template_tool_calls
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+Priority = Annotated[int, Field(strict=True, ge=PRIORITY_MIN, le=PRIORITY_MAX)]
+"""vLLM's request `priority`: an integer (no float, bool or string), lower first, default 0;
+a signed 32-bit value (scheduler/waiting.py)."""
 
 
 class RequestBody(BaseModel):
@@ -118,6 +122,7 @@ class SamplingRequestBase(RequestBody):
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
+    priority: Priority = 0  # vLLM's: lower first (a request field, not a sampling one)
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.sampling_fields import openai_names
-from serving.http.protocol import ChatCompletionRequest, api_fields, parse
+from serving.http.protocol import ChatCompletionRequest, Priority, api_fields, parse
 
 SPELLED = openai_names("anthropic")
 """{chat field: the Messages field} of the sampling fields a Messages request carries."""
@@ -92,6 +92,7 @@ class _MessagesBody(_Request):
     metadata: dict[str, Any] | None = None
     # an extension, as chat has it: a deadline in seconds
     timeout: Annotated[float, Field(gt=0)] | None = None
+    priority: Priority = 0  # an extension: vLLM's (serving/http/protocol.py)
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat request's fields, sampling included (an empty `stop_sequences` is
@@ -104,6 +105,7 @@ class _MessagesBody(_Request):
                 out[chat] = value
         if self.timeout is not None:
             out["timeout"] = self.timeout
+        out["priority"] = self.priority
         return out
 
 

@@ -20,6 +20,7 @@ from metrale_jax.errors import InvalidParameterError
 from metrale_jax.sampling_fields import openai_names
 from serving.http.protocol import (
     ChatCompletionRequest,
+    Priority,
     RequestBody,
     SamplingRequest,
     api_fields,
@@ -58,6 +59,7 @@ class _ResponseBody(RequestBody):
     truncation: str | None = None
     background: bool | None = None
     conversation: Any = None
+    priority: Priority = 0  # vLLM's (serving/http/protocol.py)
     prompt: Any = None
     include: list[str] | None = None
 
@@ -168,7 +170,7 @@ class _ResponseBody(RequestBody):
         body: dict[str, Any] = {
             k: v for k, v in (self.model_extra or {}).items() if k in PASSTHROUGH}
         body.update(messages=messages, model=self.model, stream=self.stream,
-                    keep_alive=self.keep_alive)
+                    keep_alive=self.keep_alive, priority=self.priority)
         for chat, ours in SPELLED.items():
             if getattr(self, ours) is not None:
                 body[chat] = getattr(self, ours)
