@@ -3,8 +3,10 @@
 Threads and queues:
 - Callers (HTTP handlers, the Python API) call `submit`, which validates the request, puts it
   on the bounded `waiting` queue (full -> `BusyError`) and returns a `RequestHandle`. The
-  queue is FIFO within a tenant and round-robin across tenants, with an optional cap on the
-  slots a tenant holds (scheduler/waiting.py); without tenants it is one FIFO.
+  queue orders by the request's `priority` (lower first) within the tenants' fairness: FIFO
+  within a tenant and round-robin across tenants among equal priorities, with an optional
+  cap on the slots a tenant holds that no priority passes (scheduler/waiting.py); without
+  tenants and priorities it is one FIFO.
   `cancel` puts the id on a set read by the loop. Nothing but the loop thread touches JAX.
 - The loop thread, each iteration: drops cancelled and timed-out requests (their pages go
   back to the pool), admits waiting requests into free slots (rows), and launches one
@@ -18,7 +20,13 @@ Threads and queues:
   loop preempt the most recently admitted sequence (its pages freed, its request put back at
   the head of the queue; later its prompt and the tokens generated so far are prefilled again
   and it continues where it stopped: the client sees only latency). `stats["preempted"]`
-  counts them.
+  counts them. The victim is the worst priority (highest value), then the newest.
+- Priorities (`_preempt_for_priority`): when the request the queue would admit next finds
+  no free row, or an admitted prompt cannot get the page of its next piece, running
+  sequences of a strictly worse priority are preempted the same way (worst first, then the
+  newest; a beam search frees all its rows), counted in `stats["preempted_by_priority"]`. A
+  sequence so preempted waits in the queue until the one it made room for has its prompt in,
+  so two requests never take a row from each other in turn.
 - Events go to each request's handle (`post`), which forwards them to the caller's thread or
   event loop.
 Backpressure: `max_waiting` bounds the queue; the slots bound the work in flight.
@@ -356,14 +364,15 @@ class Scheduler:
         """(priority, admitted at, slot, sequence) of each sequence holding rows, worst
         first: the highest priority value, then the most recently admitted (then the
         highest slot: one round admits several at once)."""
-        out, seen = [], set()
+        latest: dict[int, tuple[int, float, int, Sequence]] = {}
         for slot, (rid, at) in list(self.rows.admitted_at.items()):
             seq = self.rows[slot]
-            if seq is not None and seq.request.request_id == rid and id(seq) not in seen:
-                seen.add(id(seq))
-                out.append((priority_of(seq), at, slot, seq))
-        out.sort(key=lambda r: (-r[0], -r[1], -r[2]))
-        return out
+            if seq is None or seq.request.request_id != rid:
+                continue
+            key = id(seq.beam.primary if seq.beam is not None else seq)  # a search once
+            if key not in latest or at > latest[key][1]:
+                latest[key] = (priority_of(seq), at, slot, seq)
+        return sorted(latest.values(), key=lambda r: (-r[0], -r[1], -r[2]))
 
     def _yields(self, seq: Sequence) -> bool:
         """Whether `seq`, preempted by priority, still waits for the request it made room for
@@ -402,9 +411,7 @@ class Scheduler:
             self.steps.drain()
             return True
         for slot, seq in victims:
-            for row in (seq.beam.rows if seq.beam is not None else [slot]):
-                self.rows.free(row)  # a beam search starts again from its prompt
-            seq.beam = None
+            seq = self._free_rows(slot, seq)
             self.stats["preempted_by_priority"] += 1
             self._made_room_for[seq.request.request_id] = beneficiary
             with self._lock:
@@ -459,19 +466,33 @@ class Scheduler:
             return False
         _, _, slot, seq = running[0]
         rows = seq.beam.rows if seq.beam is not None else [slot]
+        if seq.beam is not None:  # the row may hold one of its helper rows' sequences
+            seq = seq.beam.primary
         if len(running) == 1:  # nothing else holds pages: the pool can't hold this sequence
             seq.end_for_length()
             for row in rows:
                 self.rows.free(row)
             seq.post_final()
             return True
-        for row in rows:  # a beam search starts again from its prompt
-            self.rows.free(row)
-        seq.beam = None
+        seq = self._free_rows(slot, seq)
         self.stats["preempted"] += 1
         with self._lock:
             self._waiting.appendleft(seq)
         return True
+
+    def _free_rows(self, slot: int, seq: Sequence) -> Sequence:
+        """Frees the rows of the sequence in row `slot` (every row of a beam search, which
+        starts again from its prompt); returns the sequence that goes back to the queue (a
+        beam search's primary, whichever row holds it now)."""
+        if seq.beam is None:
+            self.rows.free(slot)
+            return seq
+        group = seq.beam
+        for row in group.rows:
+            self.rows.free(row)
+        seq = group.primary
+        seq.beam, seq.beam_index = None, 0
+        return seq
 
     def _fail_slots(self, error: BaseException) -> None:
         self.rows.end_each(lambda seq: Failed(error))

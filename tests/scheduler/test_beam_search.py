@@ -128,3 +128,41 @@ def test_bad_beam_settings_are_refused(beam_setup):
         with pytest.raises(InvalidParameterError) as info:
             SamplingParams(**bad)
         assert info.value.param == param
+
+
+def test_a_beam_search_preempted_by_priority_frees_its_rows_and_gives_its_answer(beam_setup):
+    """A 4-wide beam search of priority 5 and four rows of priority 3 fill the 8 rows; an
+    arrival of priority -1 preempts the worst (the beam search: all 4 rows freed), which
+    waits until the arrival's prompt is in, starts again from its prompt, and answers as
+    it does alone."""
+    from metrale_jax.completion import collect
+    from tests.step_gate import gated
+    llm, _ = beam_setup
+    sched = llm.scheduler
+    beam = SamplingParams(max_tokens=10, num_beams=4, length_penalty=0.6)
+    single = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], beam)[0]
+    before = sched.stats["preempted_by_priority"]
+
+    def submit(ids, params, priority):
+        return sched.submit(GenerationRequest.make(ids, params, priority=priority))
+
+    with gated(sched.engine) as gate:
+        searched = submit(PROMPTS[0], beam, 5)
+        assert gate.entered.wait(60)
+        others = [submit([7, 8, 9 + i], single, 3) for i in range(4)]
+        for _ in range(4):
+            gate.next()
+        assert sum(s is not None for s in sched.snapshot()["slots"]) == 8
+        urgent = submit(PROMPTS[2], SamplingParams(max_tokens=2, temperature=0), -1)
+        gate.next()
+        held = [s["request_id"] if s else None for s in sched.snapshot()["slots"]]
+        assert held.count(None) == 3 and urgent.request_id in held
+        assert searched.request_id not in held and sched.snapshot()["waiting"] == 1
+        assert sched.stats["preempted_by_priority"] == before + 1
+    got = collect(searched)
+    assert (got.token_ids, got.beams) == (alone.token_ids, alone.beams)
+    assert all(len(collect(h).token_ids) == 20 for h in others)
+    assert len(collect(urgent).token_ids) == 2
+    assert not sched.rows.busy()
+    sched.engine.pages.check()
