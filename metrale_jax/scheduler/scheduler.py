@@ -20,13 +20,9 @@ Threads and queues:
   loop preempt the most recently admitted sequence (its pages freed, its request put back at
   the head of the queue; later its prompt and the tokens generated so far are prefilled again
   and it continues where it stopped: the client sees only latency). `stats["preempted"]`
-  counts them. The victim is the worst priority (highest value), then the newest.
-- Priorities (`_preempt_for_priority`): when the request the queue would admit next finds
-  no free row, or an admitted prompt cannot get the page of its next piece, running
-  sequences of a strictly worse priority are preempted the same way (worst first, then the
-  newest; a beam search frees all its rows), counted in `stats["preempted_by_priority"]`. A
-  sequence so preempted waits in the queue until the one it made room for has its prompt in,
-  so two requests never take a row from each other in turn.
+  counts them. The victim is the worst priority (highest value), then the newest. A waiting
+  or prefilling request of a better priority preempts worse ones the same way when it lacks
+  a row or a page (scheduler/preemption.py; `stats["preempted_by_priority"]`).
 - Events go to each request's handle (`post`), which forwards them to the caller's thread or
   event loop.
 Backpressure: `max_waiting` bounds the queue; the slots bound the work in flight.
@@ -35,8 +31,9 @@ The scheduler owns its parts, each built here from the engine: request validatio
 (validation.py), the LoRA registry (lora_registry.py), the rows (rows.py), chunk planning
 under the step budget with the prefix cache (chunks.py), the launched steps and the decode
 state (steps.py), beam rows (beam_rows.py, beside the search in beam.py), speculation
-(speculation.py) and grammar masks (grammar_slots.py). This module is the loop and the
-caller side: the waiting queue, admissions, cancels, deadlines and preemption.
+(speculation.py), grammar masks (grammar_slots.py) and preemption's victims
+(preemption.py). This module is the loop and the caller side: the waiting queue,
+admissions, cancels, deadlines and preemption.
 """
 
 from __future__ import annotations
@@ -55,13 +52,14 @@ from metrale_jax.scheduler.chunks import ChunkPlanner
 from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.lora_registry import LoraMix, LoraRegistry
+from metrale_jax.scheduler.preemption import Preemption
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.rows import Rows
 from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.speculation import Speculation
 from metrale_jax.scheduler.steps import StepRunner
 from metrale_jax.scheduler.validation import RequestValidator
-from metrale_jax.scheduler.waiting import WaitingQueue, priority_of
+from metrale_jax.scheduler.waiting import WaitingQueue
 
 WARMUP_MODES = ("serve", "full", "none")
 """How a `Scheduler` compiles before it serves (its `warmup` argument)."""
@@ -86,8 +84,8 @@ class Scheduler:
         loras: LoRA adapters (`weights.lora.LoraAdapter`) by name, loaded into the engine's
             slots in order before serving; a request names one in `SamplingParams.lora`.
 
-    Parts (built here, used by the loop thread): `validator`, `loras`, `rows`, `chunks`,
-    `beams`, `speculation`, `steps`, `grammar`.
+    Parts (built here, used by the loop thread): `validator`, `loras`, `rows`,
+    `preemption`, `chunks`, `beams`, `speculation`, `steps`, `grammar`.
     """
 
     def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
@@ -104,8 +102,6 @@ class Scheduler:
         self._wake = threading.Condition(self._lock)
         self._waiting = WaitingQueue()
         self._cancelled: set[str] = set()
-        # request id of a sequence preempted by priority -> the one it made room for
-        self._made_room_for: dict[str, Sequence] = {}
         self._running = True
         self._ready = threading.Event()
         self.startup_error: BaseException | None = None  # set when warmup failed
@@ -119,6 +115,7 @@ class Scheduler:
         self.validator = RequestValidator(engine, tokenizer, self.eos_token_ids, self.grammar,
                                           self.loras)
         self.rows = Rows(engine, self.grammar, self.num_slots)
+        self.preemption = Preemption(engine, self.rows)
         self.chunks = ChunkPlanner(engine, self.rows, self.stats)
         self.beams = BeamRows(engine, tokenizer, self.eos_token_ids, self.max_len, self.rows,
                               self.grammar, self.stats)
@@ -317,7 +314,7 @@ class Scheduler:
         with self._lock:
             dropped = self._waiting.remove_where(gone)
         for seq in dropped:
-            self._made_room_for.pop(seq.request.request_id, None)
+            self.preemption.forget(seq.request.request_id)
             seq.handle.post(event(seq))
 
     def _admit(self) -> None:
@@ -342,7 +339,7 @@ class Scheduler:
             admitted: list[tuple[list[int], Sequence]] = []
             while free and self._waiting:
                 # (a beam search takes its rows at once: `take` waits for them)
-                seq = self._waiting.take(len(free), held.__getitem__, self._yields)
+                seq = self._waiting.take(len(free), held.__getitem__, self.preemption.yields)
                 if seq is None:
                     break
                 width = seq.request.params.num_beams
@@ -360,139 +357,48 @@ class Scheduler:
         """{tenant: rows its sequences hold}."""
         return collections.Counter(s.request.tenant for s in self.rows.seqs if s is not None)
 
-    def _by_worst(self) -> list[tuple[int, float, int, Sequence]]:
-        """(priority, admitted at, slot, sequence) of each sequence holding rows, worst
-        first: the highest priority value, then the most recently admitted (then the
-        highest slot: one round admits several at once)."""
-        latest: dict[int, tuple[int, float, int, Sequence]] = {}
-        for slot, (rid, at) in list(self.rows.admitted_at.items()):
-            seq = self.rows[slot]
-            if seq is None or seq.request.request_id != rid:
-                continue
-            key = id(seq.beam.primary if seq.beam is not None else seq)  # a search once
-            if key not in latest or at > latest[key][1]:
-                latest[key] = (priority_of(seq), at, slot, seq)
-        return sorted(latest.values(), key=lambda r: (-r[0], -r[1], -r[2]))
-
-    def _yields(self, seq: Sequence) -> bool:
-        """Whether `seq`, preempted by priority, still waits for the request it made room for
-        (until that one's prompt is in: no thrash); forgets the link once it is not."""
-        rid = seq.request.request_id
-        for_seq = self._made_room_for.get(rid)
-        if for_seq is None:
-            return False
-        if any(self.rows[slot] is for_seq for slot in self.rows.prefilling):
-            return True
-        del self._made_room_for[rid]
-        return False
-
     def _preempt_for_priority(self) -> bool:
-        """Preemption by priority: when the request the queue would admit next wants rows
-        and none are free, or the best-priority prompt being prefilled cannot get the pages
-        of its next piece, the running sequences of a strictly worse (higher) priority value
-        give way, worst first (then the most recently admitted): their rows and pages are
-        freed and their requests go back to the queue, to be recomputed later, as
-        `_preempt` does. Never for an equal priority. True when something was freed (or
+        """Preemption by priority (scheduler/preemption.py): the planned victims' rows are
+        freed and their requests go back to the queue; True when something was freed (or
         the steps in flight were read first): the caller admits again."""
-        beneficiary, victims = None, []
         with self._lock:
-            head = self._waiting.peek(self._held().__getitem__, self._yields)
-        if head is not None:
-            want = head.request.params.num_beams - len(self.rows.free_slots())
-            if want > 0:
-                beneficiary, victims = head, self._victims(priority_of(head), want, False)
-        if not victims:
-            beneficiary = self._stalled_prompt()
-            if beneficiary is not None:
-                victims = self._victims(priority_of(beneficiary), 1, True)
+            head = self._waiting.peek(self._held().__getitem__, self.preemption.yields)
+        beneficiary, victims = self.preemption.plan(head)
         if not victims:
             return False
         if self.steps.pending:  # a victim's tokens must be known: read them first
             self.steps.drain()
             return True
         for slot, seq in victims:
-            seq = self._free_rows(slot, seq)
+            seq = self.preemption.free_rows(slot, seq)
+            self.preemption.made_room_for[seq.request.request_id] = beneficiary
             self.stats["preempted_by_priority"] += 1
-            self._made_room_for[seq.request.request_id] = beneficiary
             with self._lock:
                 self._waiting.appendleft(seq)
         return True
 
-    def _victims(self, priority: int, rows: int, pages: bool) -> list[tuple[int, Sequence]]:
-        """The running sequences, worst first, of a priority value above `priority` that
-        free `rows` rows together ([] when they cannot); with `pages`, only those holding
-        pages."""
-        out, freed = [], 0
-        owned = self.engine.pages.owned
-        for prio, _, slot, seq in self._by_worst():
-            if prio <= priority:
-                break
-            held = seq.beam.rows if seq.beam is not None else [slot]
-            if pages and not any(int(owned[r]) for r in held):
-                continue
-            out.append((slot, seq))
-            freed += len(held)
-            if freed >= rows:
-                return out
-        return []
-
-    def _stalled_prompt(self) -> Sequence | None:
-        """The best-priority prompt being prefilled (the first admitted among equals) whose
-        next piece (up to the smallest chunk bucket) the KV pool cannot hold beside the pages
-        the decoding rows need for their next token; None when none is stalled."""
-        if not self.rows.prefilling:
-            return None
-        pages, lengths = self.engine.pages, self.engine.lengths
-        decode_need = sum(pages.shortfall(b, int(lengths[b]) + 1)
-                          for b, s in enumerate(self.rows.decoding()) if s is not None)
-        left = pages.free_pages - decode_need
-        smallest = self.engine.config.chunk_buckets[0]
-        best = None
-        for slot in self.rows.prefilling:
-            seq = self.rows[slot]
-            size = min(len(seq.feed) - seq.fed, smallest)
-            if (pages.shortfall(slot, seq.fed + size) > left
-                    and (best is None or priority_of(seq) < priority_of(best))):
-                best = seq
-        return best
-
     def _preempt(self) -> bool:
-        """Frees the worst-priority (highest value), then most recently admitted, sequence's
-        row and puts its request back at the head of the queue (recomputed later); a sequence
-        alone that outgrew the pool ends with finish_reason "length". False when nothing
-        could be freed."""
-        running = self._by_worst()
+        """The KV pool's preemption: frees the worst-priority, then most recently admitted,
+        sequence's rows and puts its request back at the head of the queue (recomputed
+        later); a sequence alone that outgrew the pool ends with finish_reason "length".
+        False when nothing could be freed."""
+        running = self.preemption.by_worst()
         if not running:
             return False
         _, _, slot, seq = running[0]
-        rows = seq.beam.rows if seq.beam is not None else [slot]
-        if seq.beam is not None:  # the row may hold one of its helper rows' sequences
-            seq = seq.beam.primary
         if len(running) == 1:  # nothing else holds pages: the pool can't hold this sequence
+            rows = seq.beam.rows if seq.beam is not None else [slot]
+            seq = seq.beam.primary if seq.beam is not None else seq
             seq.end_for_length()
             for row in rows:
                 self.rows.free(row)
             seq.post_final()
             return True
-        seq = self._free_rows(slot, seq)
+        seq = self.preemption.free_rows(slot, seq)
         self.stats["preempted"] += 1
         with self._lock:
             self._waiting.appendleft(seq)
         return True
-
-    def _free_rows(self, slot: int, seq: Sequence) -> Sequence:
-        """Frees the rows of the sequence in row `slot` (every row of a beam search, which
-        starts again from its prompt); returns the sequence that goes back to the queue (a
-        beam search's primary, whichever row holds it now)."""
-        if seq.beam is None:
-            self.rows.free(slot)
-            return seq
-        group = seq.beam
-        for row in group.rows:
-            self.rows.free(row)
-        seq = group.primary
-        seq.beam, seq.beam_index = None, 0
-        return seq
 
     def _fail_slots(self, error: BaseException) -> None:
         self.rows.end_each(lambda seq: Failed(error))
