@@ -140,16 +140,6 @@ class Rows:
                 seq.beam.ready = False
         return owners
 
-    def newest(self) -> tuple[int, int] | None:
-        """(slot, how many sequences hold rows) of the most recently admitted sequence that
-        still holds its row, or None when no row is held."""
-        order = sorted((at, slot) for slot, (rid, at) in self.admitted_at.items()
-                       if self.seqs[slot] is not None
-                       and self.seqs[slot].request.request_id == rid)
-        if not order:
-            return None
-        return order[-1][1], len(order)
-
     def occupancy(self, now: float) -> list[dict[str, Any] | None]:
         """Each slot as `snapshot` reports it (any thread): None, or {"request_id", "tenant",
         "prompt_tokens", "tokens" (generated so far), "running_s" (since admission)}. A
