@@ -160,6 +160,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--start-timeout", type=float, default=1800.0)
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--warmup", choices=["serve", "full"], default="serve",
+                    help="the servers' --warmup (full: every program compiled before the "
+                         "first request, so no background compile competes with the runs)")
     ap.add_argument("--old", metavar="ROOT",
                     help="another checkout (the commit before) served side by side")
     args = ap.parse_args()
@@ -168,9 +171,10 @@ def main() -> None:
         servers = {}
         try:
             for tag, root in roots.items():
-                servers[f"{tag}on"] = start_server(root, args, f"{tmp}/{tag}on.log")
+                warm = ["--warmup", args.warmup]
+                servers[f"{tag}on"] = start_server(root, args, f"{tmp}/{tag}on.log", warm)
                 servers[f"{tag}off"] = start_server(root, args, f"{tmp}/{tag}off.log",
-                                                    ["--no-prefix-cache"])
+                                                    [*warm, "--no-prefix-cache"])
             res = asyncio.run(run_all({k: url for k, (_, url) in servers.items()}, args))
         finally:
             for proc, _ in servers.values():
