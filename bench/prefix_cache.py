@@ -165,8 +165,12 @@ def main() -> None:
                          "first request, so no background compile competes with the runs)")
     ap.add_argument("--old", metavar="ROOT",
                     help="another checkout (the commit before) served side by side")
+    ap.add_argument("--old-first", action="store_true",
+                    help="run the other checkout's servers first (alternate between runs)")
     args = ap.parse_args()
     roots = {"": str(HERE)} | ({"old ": args.old} if args.old else {})
+    if args.old_first:
+        roots = dict(reversed(roots.items()))
     with tempfile.TemporaryDirectory() as tmp:
         servers = {}
         try:

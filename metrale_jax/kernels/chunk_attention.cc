@@ -65,7 +65,12 @@ inline vf bcast(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s
 
 // Keeps v in a register: GCC otherwise folds a vector's loads into every multiply-add that
 // reads it, one load per use (and 512-bit loads, not multiply-adds, then bound the loop).
+// (Only where a vector is one register: AVX-512.)
+#if defined(__AVX512F__)
 inline void keep(vf& v) { asm volatile("" : "+v"(v)); }
+#else
+inline void keep(vf&) {}
+#endif
 
 inline vf vexp(vf x) {
   x = x < splat(88.3762626647949f) ? x : splat(88.3762626647949f);
