@@ -227,7 +227,8 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, tok_seq: jax.Array
     512-token chunk, 2 loaded cores, ms per layer, XLA's loop below -> kernel): one piece
     after 0 positions 32 -> 10, after 2,000 116 -> 36, after 7,500 164 -> 127 (56 -> 72
     GFLOP/s, a plain matmul 95); 8 pieces of 64 after 800: 54 -> 16; 16 pieces of 32 after
-    1,000: 46 -> 21. Elsewhere (a mesh, bfloat16, another backend) the XLA path below runs.
+    1,000: 46 -> 21. Padding tokens get 0 there. `kernel=False` (static) keeps the XLA path
+    below, as do a mesh, bfloat16 and other backends.
 
     XLA path: flash-style, so that no score matrix outgrows the cache (one dense
     `[C, H, C + ctx]` score matrix cost 3 to 4 times more on XLA:CPU for a 512-token chunk):
