@@ -139,7 +139,9 @@ def prefill_child(args) -> None:
     from metrale_jax.scheduler import SamplingParams
 
     llm = LLM("default", max_slots=2, max_len=8192, max_prefill_len=512)
-    llm.scheduler.engine.step_cost.budget = float("inf")  # every chunk 512 tokens
+    cost = getattr(llm.scheduler.engine, "step_cost", None)
+    if hasattr(cost, "budget"):  # every chunk 512 tokens
+        cost.budget = float("inf")
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     out = {}
