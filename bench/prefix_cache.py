@@ -16,8 +16,12 @@ chat with the official `openai` client:
 
     .venv/bin/python bench/prefix_cache.py
     .venv/bin/python bench/prefix_cache.py --conversations 8 --turns 6 --shared 32
+    .venv/bin/python bench/prefix_cache.py --workloads multi-turn --old /tmp/old-checkout
 
-Prints one table per workload. Only 127.0.0.1 is contacted.
+Prints one table per workload. `--old ROOT` also starts both servers from another checkout
+(e.g. `git worktree add /tmp/old-checkout <commit>`), the four taking turns per workload, and
+prints the multi-turn table for each checkout (the side-by-side the commit before);
+`--workloads` picks the workloads. Only 127.0.0.1 is contacted.
 """
 
 from __future__ import annotations
@@ -125,18 +129,21 @@ async def no_reuse(client, args) -> tuple[list[dict], float]:
     return results, time.perf_counter() - t0
 
 
+WORKLOADS = {"multi-turn": multi_turn, "shared": shared_prompt, "no-reuse": no_reuse}
+
+
 async def run_all(urls: dict[str, str], args) -> dict:
     from openai import AsyncOpenAI
     clients = {name: AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600,
                                  max_retries=0) for name, url in urls.items()}
     out: dict[str, dict] = {name: {} for name in urls}
     names = list(clients)
-    for i, (workload, fn) in enumerate((("multi-turn", multi_turn), ("shared", shared_prompt),
-                                        ("no-reuse", no_reuse))):
+    for i, workload in enumerate(args.workloads):
+        fn = WORKLOADS[workload]
         # Alternate which server goes first, so neither always meets a cold machine first.
         for name in names if i % 2 == 0 else names[::-1]:
             client = clients[name]
-            print(f"{workload}: cache {name} ...", file=sys.stderr, flush=True)
+            print(f"{workload}: {name} ...", file=sys.stderr, flush=True)
             out[name][workload] = await fn(client, args)
     return out
 
@@ -152,33 +159,51 @@ def main() -> None:
     ap.add_argument("--max-slots", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--start-timeout", type=float, default=1800.0)
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--warmup", choices=["serve", "full"], default="serve",
+                    help="the servers' --warmup (full: every program compiled before the "
+                         "first request, so no background compile competes with the runs)")
+    ap.add_argument("--old", metavar="ROOT",
+                    help="another checkout (the commit before) served side by side")
+    ap.add_argument("--old-first", action="store_true",
+                    help="run the other checkout's servers first (alternate between runs)")
     args = ap.parse_args()
-    root = str(HERE)
+    roots = {"": str(HERE)} | ({"old ": args.old} if args.old else {})
+    if args.old_first:
+        roots = dict(reversed(roots.items()))
     with tempfile.TemporaryDirectory() as tmp:
         servers = {}
         try:
-            servers["on"] = start_server(root, args, f"{tmp}/on.log")
-            servers["off"] = start_server(root, args, f"{tmp}/off.log", ["--no-prefix-cache"])
+            for tag, root in roots.items():
+                warm = ["--warmup", args.warmup]
+                servers[f"{tag}on"] = start_server(root, args, f"{tmp}/{tag}on.log", warm)
+                servers[f"{tag}off"] = start_server(root, args, f"{tmp}/{tag}off.log",
+                                                    [*warm, "--no-prefix-cache"])
             res = asyncio.run(run_all({k: url for k, (_, url) in servers.items()}, args))
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(timeout=60)
 
-    print(f"\nMulti-turn: {args.conversations} conversations x {args.turns} turns, TTFT p50 s "
-          "(prompt tokens p50; cached p50 with the cache)\n")
-    print("| turn | prompt tokens | cache off | cache on | cached tokens | on/off |")
-    print("|---|---|---|---|---|---|")
-    for turn in range(1, args.turns + 1):
-        on, off = res["on"]["multi-turn"][turn], res["off"]["multi-turn"][turn]
-        a = statistics.median(r["ttft"] for r in off)
-        b = statistics.median(r["ttft"] for r in on)
-        print(f"| {turn} | {statistics.median(r['prompt'] for r in on):.0f} | {a:.2f} | "
-              f"{b:.2f} | {statistics.median(r['cached'] for r in on):.0f} | {b / a:.2f}x |")
+    for tag in roots if "multi-turn" in args.workloads else ():
+        print(f"\nMulti-turn{' (' + args.old + ')' if tag else ''}: {args.conversations} "
+              f"conversations x {args.turns} turns, TTFT p50 s (prompt tokens p50; cached p50 "
+              "with the cache)\n")
+        print("| turn | prompt tokens | cache off | cache on | cached tokens | on/off |")
+        print("|---|---|---|---|---|---|")
+        for turn in range(1, args.turns + 1):
+            on, off = res[f"{tag}on"]["multi-turn"][turn], res[f"{tag}off"]["multi-turn"][turn]
+            a = statistics.median(r["ttft"] for r in off)
+            b = statistics.median(r["ttft"] for r in on)
+            print(f"| {turn} | {statistics.median(r['prompt'] for r in on):.0f} | {a:.2f} | "
+                  f"{b:.2f} | {statistics.median(r['cached'] for r in on):.0f} | "
+                  f"{b / a:.2f}x |")
 
     for workload, title in (("shared", f"Shared system prompt: {args.shared} requests at once"),
                             ("no-reuse", f"No reuse: {args.shared} distinct prompts, "
                                          f"{args.no_reuse_concurrency} at a time")):
+        if workload not in args.workloads:
+            continue
         print(f"\n{title}\n")
         print("| cache | prompt tokens p50 | cached p50 | TTFT p50 s | TTFT p99 s | out tok/s |")
         print("|---|---|---|---|---|---|")

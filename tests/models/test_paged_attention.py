@@ -185,18 +185,23 @@ def _chunk_inputs(seed: int, C: int):
 
 
 chunk = jax.jit(chunk_attention, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "q_block", "ctx_q_block", "ctx_block_pages"))
+    "sm_scale", "sliding_window", "soft_cap", "q_block", "ctx_q_block", "ctx_block_pages",
+    "kernel"))
 
 
-def test_chunk_padding_finite_and_block_size_invariant():
+# kernel=False: XLA's item loop; True: the C++ kernel where it applies (float32 on one CPU
+# device, tests/models/test_chunk_attention_kernel.py), else the same loop.
+@pytest.mark.parametrize("kernel", [False, True])
+def test_chunk_padding_finite_and_block_size_invariant(kernel):
+    f = functools.partial(chunk, kernel=kernel)
     C = 8
     q, k, v, pages, table = _chunk_inputs(13, C)
     # Row 3 at positions 6..9 after 6 context positions, row 5 at 4..5 after 4, two padding.
     tok_seq = jnp.asarray([3, 3, 3, 3, 5, 5, -1, -1], jnp.int32)
     tok_pos = jnp.asarray([6, 7, 8, 9, 4, 5, 0, 0], jnp.int32)
     opts = dict(sm_scale=SCALE, sliding_window=None, soft_cap=1.5)
-    outs = [np.asarray(chunk(q, k, v, tok_seq, tok_pos, pages, table, q_block=qb,
-                             ctx_q_block=cqb, ctx_block_pages=bp, **opts))
+    outs = [np.asarray(f(q, k, v, tok_seq, tok_pos, pages, table, q_block=qb,
+                         ctx_q_block=cqb, ctx_block_pages=bp, **opts))
             for qb, cqb, bp in ((8, 8, 8), (2, 1, 1), (3, 3, 2), (128, 64, None))]
     for out in outs:
         assert np.isfinite(out).all()
@@ -205,15 +210,16 @@ def test_chunk_padding_finite_and_block_size_invariant():
     np.testing.assert_allclose(outs[0][:6], ref[:6], rtol=1e-5, atol=1e-5)
     # Row 3 starting at position 0 (no context): row 5 is unchanged, row 3 is not.
     fresh = tok_pos.at[:4].set(jnp.arange(4))
-    none = np.asarray(chunk(q, k, v, tok_seq, fresh, pages, table, q_block=2, ctx_q_block=1,
-                            ctx_block_pages=1, **opts))
+    none = np.asarray(f(q, k, v, tok_seq, fresh, pages, table, q_block=2, ctx_q_block=1,
+                        ctx_block_pages=1, **opts))
     assert np.isfinite(none).all()
     np.testing.assert_allclose(none[4:6], outs[0][4:6], rtol=1e-6, atol=1e-6)
     assert not np.allclose(none[:4], outs[0][:4])
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("window", [None, 6])
-def test_chunk_piece_same_alone_and_beside_pieces_with_context(window):
+def test_chunk_piece_same_alone_and_beside_pieces_with_context(window, kernel):
     # Pieces (row, first position, length), rows in any order, three with context; padding.
     pieces = [(2, 10, 7), (0, 3, 6), (5, 0, 5), (1, 20, 3), (6, 1, 1)]
     C = 26
@@ -223,7 +229,8 @@ def test_chunk_piece_same_alone_and_beside_pieces_with_context(window):
     opts = dict(sm_scale=SCALE, sliding_window=window, soft_cap=None)
     ref = chunk_reference(q, k, v, rows, pos, pages, table, window=window)
     for qb, cqb, bp in ((128, 64, None), (4, 2, 1), (5, 3, 2), (8, 16, 3)):
-        f = functools.partial(chunk, q_block=qb, ctx_q_block=cqb, ctx_block_pages=bp, **opts)
+        f = functools.partial(chunk, q_block=qb, ctx_q_block=cqb, ctx_block_pages=bp,
+                              kernel=kernel, **opts)
         full = np.asarray(f(q, k, v, jnp.asarray(rows), jnp.asarray(pos), pages, table))
         assert np.isfinite(full).all()
         np.testing.assert_allclose(full[:-4], ref[:-4], rtol=1e-5, atol=1e-5)
