@@ -15,9 +15,9 @@ decode-only step is the shape (n, 0, False).
 Where the numbers come from:
 - a prior from FLOPs (`StepCost`) at an assumed rate, for shapes not measured yet;
 - `measure`, after warmup: each compiled mixed shape runs on a scratch state (the programs
-  warmup compiled; nothing new compiles) with a fresh piece of C tokens (twice: the faster
-  counts, a program's first run pays one-time costs), then with a piece of C tokens after
-  those C positions (late);
+  warmup compiled; nothing new compiles) with a fresh piece of C tokens, then with a piece of
+  C tokens after those C positions (late), twice (the first run pays one-time costs and is not
+  counted);
 - online, `observe`: every step the loop reads gives its real time (`StepClock`), and the
   model follows it by an exponential moving average, per shape for `base` (steps whose
   context term is small) and for `beta` (steps where it dominates). Why an EWMA of the two
@@ -27,7 +27,8 @@ Where the numbers come from:
   multiply-add per step, and it follows a machine whose load changes (other processes, the
   grid compiling in the background) within a few steps.
 
-The gate (`StepTimes.gate`): while rows decode, each step's chunk is sized so that the
+The gate (`StepTimes.target_s`, `chunk_limit` and `fits`, used by `ChunkPlanner`): while rows
+decode, each step's chunk is sized so that the
 predicted time stays within the tightest target of the decoding rows (each request's
 `max_itl_ms`, clamped to [`FLOOR_MS`, the server's target]); the smallest chunk bucket may
 always run, so prompts progress. With no row decoding nothing is gated.
@@ -204,31 +205,35 @@ class StepTimes:
         return self.predict(n, C, context_flops, late) <= target
 
     # ---- warmup measurement --------------------------------------------------------------
-    def measure(self, engine: Any, state: Any, ready: Any = None, runs: int = 2) -> Any:
+    def measure(self, engine: Any, state: Any, ready: Any = None, runs: int = 1) -> Any:
         """Times each mixed step shape (n, C) on `state` (a scratch decode state; rows are
         written and released: call `engine.init_decode_state()` afterwards): a fresh piece of
-        C tokens `runs` times (the fastest counts: a program's first run pays one-time
-        costs), then a late piece of C tokens after those C positions (its intercept counts:
-        the time less `beta` times its context FLOPs). ready(n, C): whether that shape is
-        compiled (None: all are); shapes not ready are skipped (the FLOP prior and the online
+        C tokens, then a late piece of C tokens after those C positions (its intercept counts:
+        the time less `beta` times its context FLOPs). One uncounted pass over the shapes
+        first (a program's first run pays one-time costs), then `runs` passes; of each
+        shape's runs the fastest counts: other processes only ever add time, and the online
+        correction follows the machine's load. ready(n, C): whether that shape is compiled
+        (None: all are); shapes not ready are skipped (the FLOP prior and the online
         correction cover them). Returns the state."""
         B, S = engine.config.max_slots, engine.config.max_len
-        for n in self.rows:
-            for C in self.buckets:
-                if (ready is not None and not ready(n, C)) or n > B:
-                    continue
-                times = []
-                for _ in range(max(1, runs)):
-                    engine.release(0)
-                    state, seconds = _timed(engine, state, n, [Piece(0, (1,) * C, 0, None)])
-                    times.append(seconds)
-                self.base[(n, C, False)] = self.measured_at_warmup[(n, C, False)] = min(times)
-                if 2 * C <= S:
-                    state, seconds = _timed(engine, state, n, [Piece(0, (1,) * C, C, None)])
-                    self.measured_at_warmup[(n, C, True)] = seconds
-                    self.base[(n, C, True)] = max(
-                        seconds - self.beta * self.cost.context_flops(C, C), 0.0)
+        shapes = [(n, C) for n in self.rows for C in self.buckets
+                  if n <= B and (ready is None or ready(n, C))]
+        got: dict[Key, list[float]] = {}
+        for counted in [False] + [True] * max(1, runs):
+            for n, C in shapes:
                 engine.release(0)
+                state, seconds = timed_step(engine, state, n, [Piece(0, (1,) * C, 0, None)])
+                if counted:
+                    got.setdefault((n, C, False), []).append(seconds)
+                if 2 * C <= S:
+                    state, seconds = timed_step(engine, state, n, [Piece(0, (1,) * C, C, None)])
+                    if counted:
+                        got.setdefault((n, C, True), []).append(seconds)
+        engine.release(0)
+        for (n, C, late), times in got.items():
+            seconds = self.measured_at_warmup[(n, C, late)] = min(times)
+            self.base[(n, C, late)] = (max(seconds - self.beta * self.cost.context_flops(C, C),
+                                           0.0) if late else seconds)
         log.info("step times at warmup (ms; rows, chunk, late): %s",
                  {k: round(v * 1e3, 1) for k, v in self.measured_at_warmup.items()})
         return state
@@ -255,7 +260,7 @@ class StepTimes:
                 "context_s_per_gflop": round(self.beta * 1e9, 4), "shapes": shapes}
 
 
-def _timed(engine: Any, state: Any, n: int, pieces: list[Piece]) -> tuple[Any, float]:
+def timed_step(engine: Any, state: Any, n: int, pieces: list[Piece]) -> tuple[Any, float]:
     """Runs one step of `pieces` (on slot 0) beside decode rows 1 .. n-1 (their shape: n
     rows) and waits for it; returns the state and the seconds it took."""
     B = engine.config.max_slots
