@@ -191,6 +191,7 @@ def test_http_models_carry_every_spelling():
         "model", "stream", "stream_options", "user", "return_token_ids", "regex", "choice",
         "grammar", "timeout", "cache_salt", "use_beam_search", "source_lang", "target_lang",
         "keep_alive",
+        "max_itl_ms",
         "src_lang", "tgt_lang"}
     for s in spellings("openai"):  # chat has every one; completions all but chat's own
         assert s.name in ChatCompletionRequest.model_fields, s.name

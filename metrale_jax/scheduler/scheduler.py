@@ -116,7 +116,9 @@ class Scheduler:
                                           self.loras)
         self.rows = Rows(engine, self.grammar, self.num_slots)
         check_target(max_itl_ms or None, "max_itl_ms")
-        self.step_times = StepTimes(engine, max_itl_ms)
+        # (an engine without a step cost, such as a test's stand-in, gets no target)
+        self.step_times = (StepTimes(engine, max_itl_ms) if hasattr(engine, "step_cost")
+                           else None)
         self.chunks = ChunkPlanner(engine, self.rows, self.stats, self.step_times)
         self.beams = BeamRows(engine, tokenizer, self.eos_token_ids, self.max_len, self.rows,
                               self.grammar, self.stats)
