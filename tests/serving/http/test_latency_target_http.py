@@ -5,6 +5,7 @@ scheduler; and the target and step times in /v1/metrale/stats."""
 from __future__ import annotations
 
 import contextlib
+import urllib.request
 
 import pytest
 
@@ -69,3 +70,5 @@ def test_stats_report_the_target_and_the_step_times(server, base_url):
                for n in model.rows for c in model.buckets)
     observed = [s for s in latency["shapes"] if s["steps"]]
     assert observed and all(s["actual_ms"] > 0 and s["predicted_ms"] > 0 for s in observed)
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
+        assert "metrale:max_itl_ms 300.0" in r.read().decode()
