@@ -32,6 +32,50 @@ HERE = Path(__file__).resolve().parents[1]
 LENGTHS = (512, 2048, 8000)
 
 
+def _beside_stream(scheduler, rng, n: int) -> dict:
+    """One greedy stream decodes; after its 16th token an `n`-token prompt arrives: its time
+    to first token, the stream's longest gap meanwhile and its median gap before."""
+    from metrale_jax import SamplingParams
+    from metrale_jax.scheduler import GenerationRequest
+    from metrale_jax.scheduler.events import Token
+
+    times: list[float] = []
+    started = threading.Event()
+    stream = scheduler.submit(GenerationRequest.make(
+        rng.integers(100, 40000, 32).tolist(),
+        SamplingParams(max_tokens=8192 - 64, temperature=0.0, ignore_eos=True)))
+
+    def read(handle=stream, times=times, started=started) -> None:
+        for event in handle:
+            if isinstance(event, Token) and event.token_ids:
+                times.append(time.perf_counter())
+                if len(times) == 16:
+                    started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    started.wait()
+    t0 = time.perf_counter()
+    long = scheduler.submit(GenerationRequest.make(
+        rng.integers(100, 40000, n).tolist(),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    first = None
+    for event in long:
+        if isinstance(event, Token) and event.token_ids and first is None:
+            first = time.perf_counter()
+    # A few more stream tokens after the prompt's first, then stop the stream.
+    while len([t for t in times if t > first]) < 8:
+        time.sleep(0.05)
+    stream.cancel()
+    reader.join()
+    before = [b - a for a, b in itertools.pairwise(times) if b <= t0]
+    during = [b - a for a, b in itertools.pairwise(times)
+              if b > t0 and a < first + 1e-9]
+    stall = max(during) if during else first - t0
+    tpot = statistics.median(before)
+    return {"ttft": first - t0, "stall": stall, "tpot": tpot}
+
+
 def _child(root: str, lengths: tuple[int, ...]) -> None:
     sys.path.insert(0, root)  # the checkout under test: imported only after this
     import numpy as np
@@ -56,42 +100,7 @@ def _child(root: str, lengths: tuple[int, ...]) -> None:
             if isinstance(event, Token) and event.token_ids:
                 alone = time.perf_counter() - t0
                 break
-        for _ in range(1):
-            times: list[float] = []
-            started = threading.Event()
-            stream = scheduler.submit(GenerationRequest.make(
-                rng.integers(100, 40000, 32).tolist(),
-                SamplingParams(max_tokens=8192 - 64, temperature=0.0, ignore_eos=True)))
-
-            def read(handle=stream, times=times, started=started) -> None:
-                for event in handle:
-                    if isinstance(event, Token) and event.token_ids:
-                        times.append(time.perf_counter())
-                        if len(times) == 16:
-                            started.set()
-
-            reader = threading.Thread(target=read)
-            reader.start()
-            started.wait()
-            t0 = time.perf_counter()
-            long = scheduler.submit(GenerationRequest.make(
-                rng.integers(100, 40000, n).tolist(),
-                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
-            first = None
-            for event in long:
-                if isinstance(event, Token) and event.token_ids and first is None:
-                    first = time.perf_counter()
-            # A few more stream tokens after the prompt's first, then stop the stream.
-            while len([t for t in times if t > first]) < 8:
-                time.sleep(0.05)
-            stream.cancel()
-            reader.join()
-            before = [b - a for a, b in itertools.pairwise(times) if b <= t0]
-            during = [b - a for a, b in itertools.pairwise(times)
-                      if b > t0 and a < first + 1e-9]
-            stall = max(during) if during else first - t0
-            tpot = statistics.median(before)
-            out[str(n)] = {"ttft": first - t0, "stall": stall, "tpot": tpot, "alone": alone}
+        out[str(n)] = {**_beside_stream(scheduler, rng, n), "alone": alone}
     llm.close()
     print(json.dumps(out))
 
