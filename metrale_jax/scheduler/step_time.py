@@ -16,8 +16,8 @@ Where the numbers come from:
 - a prior from FLOPs (`StepCost`) at an assumed rate, for shapes not measured yet;
 - `measure`, after warmup: each compiled mixed shape runs on a scratch state (the programs
   warmup compiled; nothing new compiles) with a fresh piece of C tokens, then with a piece of
-  C tokens after those C positions (late), twice (the first run pays one-time costs and is not
-  counted);
+  C tokens after those C positions (late); one uncounted pass over the shapes first (a
+  program's first run pays one-time costs), and of the counted runs the fastest counts;
 - online, `observe`: every step the loop reads gives its real time (`StepClock`), and the
   model follows it by an exponential moving average, per shape for `base` (steps whose
   context term is small) and for `beta` (steps where it dominates). Why an EWMA of the two
@@ -28,10 +28,10 @@ Where the numbers come from:
   grid compiling in the background) within a few steps.
 
 The gate (`StepTimes.target_s`, `chunk_limit` and `fits`, used by `ChunkPlanner`): while rows
-decode, each step's chunk is sized so that the
-predicted time stays within the tightest target of the decoding rows (each request's
-`max_itl_ms`, clamped to [`FLOOR_MS`, the server's target]); the smallest chunk bucket may
-always run, so prompts progress. With no row decoding nothing is gated.
+decode, each step's chunk is sized so that the predicted time stays within the tightest
+target of the decoding rows (each request's `max_itl_ms`, clamped to [`FLOOR_MS`, the
+server's target]); the smallest chunk bucket may always run, so prompts progress. With no
+row decoding nothing is gated.
 """
 
 from __future__ import annotations
