@@ -34,6 +34,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.errors import ChatTemplateError, InvalidParameterError
 from metrale_jax.models.ragged import sequence_logits
 from metrale_jax.models.unrolled import LayerGraph, LayerParams, split_layers
+from metrale_jax.scheduler.step_time import DEFAULT_MAX_ITL_MS
 from metrale_jax.weights.checkpoint import Checkpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class LLM:
             from these domains (and their subdomains); none = data: URLs and PIL images only.
         image_limits: a `vision.media.ImageLimits` for the bytes, pixels, fetch time and
             redirects of each image (its max_images is the engine's `max_images`).
+        max_itl_ms: the latency target in ms (`Scheduler`'s; `metrale serve --max-itl-ms`):
+            while rows decode, prompt chunks are sized to keep each step within it; None or
+            0: none. The default: `scheduler.step_time.DEFAULT_MAX_ITL_MS`.
         Further keyword arguments go to `EngineConfig`; e.g. `quantization="int8"`: int8
             weights with per-output-channel scales, quantized while loading
             (`models/quant.py`), or `"int4"`: 4-bit blocks (`models/quant4.py`).
@@ -105,7 +109,8 @@ class LLM:
                  warmup: bool | str = False, loras: dict[str, str | Path] | None = None,
                  source_lang: str | None = None, target_lang: str | None = None,
                  allowed_media_domains: Sequence[str] | None = None,
-                 image_limits: Any = None, task: str = "auto", **engine_options: Any):
+                 image_limits: Any = None, task: str = "auto",
+                 max_itl_ms: float | None = DEFAULT_MAX_ITL_MS, **engine_options: Any):
         from metrale_jax.embedding.loader import load_pooler, pooling_task
         from metrale_jax.engine.config import EngineConfig
         from metrale_jax.engine.placement import PlacementHook
@@ -131,6 +136,7 @@ class LLM:
         self._template = None
         self._scheduler = None
         self._warmup = warmup
+        self._max_itl_ms = max_itl_ms
         self.source_lang, self.target_lang = source_lang, target_lang
         import dataclasses
 
@@ -162,7 +168,8 @@ class LLM:
             engine = Engine(ckpt.config, ckpt.graphdef, ckpt.params,
                             placement=self._placement.placement, vision=ckpt.vision)
             scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
-                                  warmup=self._warmup, loras=self.loras)
+                                  warmup=self._warmup, loras=self.loras,
+                                  max_itl_ms=self._max_itl_ms)
             if not scheduler.wait_ready():
                 raise scheduler.startup_error
             self._scheduler = scheduler

@@ -192,6 +192,7 @@ def test_http_models_carry_every_spelling():
         "grammar", "timeout", "cache_salt", "use_beam_search", "source_lang", "target_lang",
         "keep_alive",
         "priority",  # vLLM's, a request field (scheduler/waiting.py), not a sampling one
+        "max_itl_ms",
         "src_lang", "tgt_lang"}
     for s in spellings("openai"):  # chat has every one; completions all but chat's own
         assert s.name in ChatCompletionRequest.model_fields, s.name

@@ -212,6 +212,15 @@ class Engine:
         `max_prefill_len`, less while the grid compiles in the background)."""
         return self.step_programs.chunk_limit()
 
+    def step_shape(self, active: np.ndarray, tokens: int) -> tuple[int, int]:
+        """(n, C) of the program `step` runs now for the `[B]` bool `active` rows and
+        `tokens` prompt tokens: n decode rows, C the chunk bucket (0: a decode-only step)."""
+        used = np.flatnonzero(active)
+        top = int(used[-1]) + 1 if used.size else 1
+        if not tokens:
+            return self.step_programs.decode_rows(top), 0
+        return self.step_programs.mixed_shape(top, tokens)
+
     # ---- checks --------------------------------------------------------------------------
     def check_prompt(self, n: int) -> None:
         """Raises if a prompt of `n` tokens cannot be prefilled into a slot."""

@@ -15,6 +15,8 @@ so that all of them together stay within it (pieces after a long shared prefix i
 later piece of a long prompt then shrinks as its context grows (the scheduler fills the rest of
 the chunk with the prompts behind it, which read only their own context: `chunk_attention`),
 and the rows that decode beside it keep their pace.
+This cap applies only while rows decode (`scheduler/chunks.py`); the latency target
+(`scheduler/step_time.py`) then sizes each step's chunk by its predicted time as well.
 Prefill throughput does not suffer where the cut applies: attention, linear in the piece's
 size, dominates each token's cost there. Sliding-window layers (Mistral, Gemma 2) read at most
 `sliding_window` positions.
@@ -53,6 +55,11 @@ class StepCost:
                 read = min(read, window)
             total += size * (self.token_flops + read * self.position_flops)
         return total
+
+    def context_flops(self, size: int, ctx: int) -> float:
+        """FLOPs of a piece of `size` tokens' attention to the `ctx` positions before it (what
+        `piece_flops` adds over the same piece at the start of a prompt)."""
+        return self.piece_flops(size, ctx) - self.piece_flops(size, 0) if ctx else 0.0
 
     def piece_limit(self, remaining: int, ctx: int, flops_left: float) -> int:
         """The tokens a piece may take of the `remaining` ones of its prompt, after `ctx`

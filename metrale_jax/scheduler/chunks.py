@@ -10,18 +10,28 @@ a shared prefix) within the step's budget (`engine.step_cost`), lets at most
 cache is part of it: a row's first piece starts after the cached pages that continue its
 prefix (`share_prefix`), and the full pages a row writes are offered to the cache
 (`offer_pages`).
+
+The latency target (`step_time.StepTimes`): while rows decode, the chunk's bucket and its
+pieces are sized so that the step's predicted time stays within the tightest target of the
+decoding rows (the first piece may still take the smallest bucket: prompts progress), and the
+FLOP budget of pieces after a context applies; with no row decoding the full chunk runs, with
+no FLOP cap (nothing waits for the step but the prompts themselves).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Any
+
+import numpy as np
 
 from metrale_jax.engine import Piece
 from metrale_jax.engine.images import remaining_images
 from metrale_jax.scheduler.rows import Rows
 from metrale_jax.scheduler.sequence import Sequence
+from metrale_jax.scheduler.step_time import StepTimes
 
 
 @dataclasses.dataclass
@@ -35,6 +45,9 @@ class _Budget:
     used: int = 0  # prompt tokens chosen
     finishing: int = 0  # pieces chosen that end their prompt
     full: bool = False  # no further piece fits this step
+    gate: tuple[int, float] | None = None  # (decode rows n, target seconds) while rows decode
+    context: float = 0.0  # FLOPs of the chosen pieces' attention to their contexts
+    late: bool = False  # a chosen piece attends to a context
 
 
 class ChunkPlanner:
@@ -45,14 +58,18 @@ class ChunkPlanner:
             `pages`, `step_cost`, `images`, `reserve`, `reuse_prefix`, `cache_pages`).
         rows: the batch's `Rows` (the sequences, and the prefilling slots in order).
         stats: the scheduler's counters (prefix cache queries and hits are added).
+        times: the step-time model and latency gate (None: no gate).
     """
 
-    def __init__(self, engine: Any, rows: Rows, stats: collections.Counter):
+    def __init__(self, engine: Any, rows: Rows, stats: collections.Counter,
+                 times: StepTimes | None = None):
         self.engine = engine
         self.rows = rows
         self.stats = stats
+        self.times = times
 
-    def plan(self, decode_need: int) -> list[tuple[Piece, Sequence]]:
+    def plan(self, decode_need: int,
+             active: np.ndarray | None = None) -> list[tuple[Piece, Sequence]]:
         """The prompt pieces of the next step, in admission order, each with its sequence:
         filling the largest chunk bucket that the waiting prompt tokens cover (the last
         piece cut to fit), the pieces after a context cut so that their cost together stays
@@ -61,13 +78,21 @@ class ChunkPlanner:
         `decode_need` pages for the decoding rows. A row's first piece starts after the
         prefix it shares from the prefix cache (pages cached by earlier steps, or written by
         an earlier piece of this same step: the choices of one prompt prefill it once).
-        Pages are reserved, and full ones offered to the cache, as pieces are chosen."""
+        Pages are reserved, and full ones offered to the cache, as pieces are chosen.
+        active: `[B]` bool, the rows that decode in the step (None or none: nothing is
+        gated and pieces after a context are not capped)."""
         for slot in self.rows.prefilling:
             self.share_prefix(slot, self.rows[slot], decode_need)
         images = self.engine.images
         limit = self.engine.chunk_limit
-        budget = _Budget(self._target(limit), self.engine.step_cost.budget,
-                         images.free_slots if images is not None else 0, limit)
+        decoding = np.flatnonzero(active) if active is not None else np.zeros(0, np.int64)
+        gate = self._gate(decoding)
+        if gate is not None:
+            limit = self.times.chunk_limit(gate[0], gate[1], limit)
+        capped = decoding.size > 0
+        budget = _Budget(self._target(limit, capped),
+                         self.engine.step_cost.budget if capped else math.inf,
+                         images.free_slots if images is not None else 0, limit, gate=gate)
         out: list[tuple[Piece, Sequence]] = []
         for slot in self.rows.prefilling:
             seq = self.rows[slot]
@@ -79,16 +104,30 @@ class ChunkPlanner:
                 out.append((piece, seq))
         return out
 
-    def _target(self, limit: int) -> int:
+    def _gate(self, decoding: np.ndarray) -> tuple[int, float] | None:
+        """(n, target seconds) of a step beside the decoding rows `decoding` (slots): n its
+        mixed row bucket, target the rows' tightest; None without rows or a target."""
+        if self.times is None or not decoding.size:
+            return None
+        target = self.times.target_s(
+            self.rows[int(b)].request.max_itl_ms for b in decoding
+            if self.rows[int(b)] is not None)
+        if target is None:
+            return None
+        return self.times.mixed_rows(int(decoding[-1]) + 1), target
+
+    def _target(self, limit: int, capped: bool = True) -> int:
         """The chunk bucket this step fills: the largest (up to `limit` tokens) that the
         waiting prompt tokens cover (a step computes no padding but when the prompts left
-        are shorter than the smallest bucket)."""
+        are shorter than the smallest bucket); `capped`: a later piece counts only what the
+        FLOP budget lets it take."""
         cfg, cost = self.engine.config, self.engine.step_cost
         left = []
         for slot in self.rows.prefilling:
             seq = self.rows[slot]
             rest = len(seq.feed) - seq.fed
-            left.append(cost.piece_limit(rest, seq.fed, cost.budget) or cfg.chunk_buckets[0])
+            take = cost.piece_limit(rest, seq.fed, cost.budget) if capped else rest
+            left.append(take or cfg.chunk_buckets[0])
         filled = [c for c in cfg.chunk_buckets if c <= min(sum(left), limit)]
         return filled[-1] if filled else cfg.chunk_buckets[0]
 
@@ -101,8 +140,10 @@ class ChunkPlanner:
         start = seq.fed
         rest = len(seq.feed) - start
         size = min(rest, budget.target - budget.used)
-        if start:  # attention to its context: the dearer the longer that is
-            size = min(size, cost.piece_limit(rest, start, budget.flops))
+        if start and budget.flops < math.inf:  # attention to its context: the dearer the
+            size = min(size, cost.piece_limit(rest, start, budget.flops))  # longer that is
+        if budget.gate is not None and size > 0:
+            size = self._fit(size, start, budget)
         if first:  # the step always makes progress
             size = max(size, min(rest, cfg.chunk_buckets[0]))
         end = start + size
@@ -139,10 +180,24 @@ class ChunkPlanner:
         budget.used += size
         if start:
             budget.flops -= cost.piece_flops(size, start)
+            budget.context += cost.context_flops(size, start)
+            budget.late = True
         budget.finishing += last
         seq.fed = end
         self.offer_pages(slot, seq, end)
         return piece
+
+    def _fit(self, size: int, start: int, budget: _Budget) -> int:
+        """The most tokens (`size`, else the largest chunk bucket below it) a piece at `start`
+        may take so that the step stays within the gate's target (`StepTimes.fits`); 0 when
+        none fits."""
+        n, target = budget.gate
+        cost = self.engine.step_cost
+        for s in [size, *(c for c in reversed(self.engine.config.chunk_buckets) if c < size)]:
+            if self.times.fits(n, budget.used + s, budget.context + cost.context_flops(s, start),
+                               budget.late or start > 0, target):
+                return s
+        return 0
 
     def _seed(self, seq: Sequence, start: int) -> tuple[int, ...]:
         """The token history a row's first piece sets (the prefix it shared, `start`

@@ -47,6 +47,9 @@ class GenerationRequest:
     `pooled_output`): its prompt is prefilled like any other and, when its last piece ends,
     the request ends with a `Pooled` event carrying the last token's final-normed hidden
     state; no token is sampled or streamed, and its row and pages are freed at once.
+    max_itl_ms: the longest step this request wants while it decodes (its inter-token
+    latency target, ms; clamped by the scheduler to [`step_time.FLOOR_MS`, the server's
+    target]); None: the server's.
     """
 
     prompt_ids: tuple[int, ...]
@@ -60,6 +63,7 @@ class GenerationRequest:
     tenant_slots: int | None = None
     pooling: bool = False
     priority: int = 0
+    max_itl_ms: float | None = None
 
     @classmethod
     def make(cls, prompt_ids: Sequence[int], params: SamplingParams,
@@ -67,14 +71,16 @@ class GenerationRequest:
              tenant: str | None = None, cache_salt: str | None = None,
              source: Sequence[int] = (), images: Sequence[Any] = (),
              tenant_slots: int | None = None, pooling: bool = False,
-             priority: int = 0) -> GenerationRequest:
+             priority: int = 0,
+             max_itl_ms: float | None = None) -> GenerationRequest:
         """Builds a request; `timeout` seconds from now becomes the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         kw = {"request_id": request_id} if request_id else {}
         return cls(tuple(int(t) for t in prompt_ids), params, deadline=deadline,
                    tenant=tenant, cache_salt=cache_salt,
                    source=tuple(int(t) for t in source), images=tuple(images),
-                   tenant_slots=tenant_slots, pooling=pooling, priority=priority, **kw)
+                   tenant_slots=tenant_slots, pooling=pooling, priority=priority,
+                   max_itl_ms=max_itl_ms, **kw)
 
 
 class RequestHandle:

@@ -57,6 +57,7 @@ from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.rows import Rows
 from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.speculation import Speculation
+from metrale_jax.scheduler.step_time import DEFAULT_MAX_ITL_MS, StepTimes, check_target
 from metrale_jax.scheduler.steps import StepRunner
 from metrale_jax.scheduler.validation import RequestValidator
 from metrale_jax.scheduler.waiting import WaitingQueue
@@ -83,6 +84,10 @@ class Scheduler:
             before serving (passed to `engine.warmup(progress=...)`; None passes nothing).
         loras: LoRA adapters (`weights.lora.LoraAdapter`) by name, loaded into the engine's
             slots in order before serving; a request names one in `SamplingParams.lora`.
+        max_itl_ms: the latency target (ms): while rows decode, each step's prompt chunk is
+            sized so that its predicted time stays within it (scheduler/step_time.py); a
+            request may ask for a tighter one (`GenerationRequest.max_itl_ms`). None or 0:
+            no target (chunks as large as the FLOP budget allows).
 
     Parts (built here, used by the loop thread): `validator`, `loras`, `rows`,
     `preemption`, `chunks`, `beams`, `speculation`, `steps`, `grammar`.
@@ -91,7 +96,8 @@ class Scheduler:
     def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
                  max_waiting: int = 256, warmup: bool | str = True,
                  warmup_progress: Callable[[int, int], None] | None = None,
-                 loras: dict[str, Any] | None = None):
+                 loras: dict[str, Any] | None = None,
+                 max_itl_ms: float | None = DEFAULT_MAX_ITL_MS):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -116,12 +122,16 @@ class Scheduler:
                                           self.loras)
         self.rows = Rows(engine, self.grammar, self.num_slots)
         self.preemption = Preemption(engine, self.rows)
-        self.chunks = ChunkPlanner(engine, self.rows, self.stats)
+        check_target(max_itl_ms or None, "max_itl_ms")
+        # (an engine without a step cost, such as a test's stand-in, gets no target)
+        self.step_times = (StepTimes(engine, max_itl_ms) if hasattr(engine, "step_cost")
+                           else None)
+        self.chunks = ChunkPlanner(engine, self.rows, self.stats, self.step_times)
         self.beams = BeamRows(engine, tokenizer, self.eos_token_ids, self.max_len, self.rows,
                               self.grammar, self.stats)
         self.speculation = Speculation(engine, self.rows, self.grammar, self.stats)
         self.steps = StepRunner(engine, self.rows, self.grammar, self.chunks, self.beams,
-                                self.speculation, self.stats)
+                                self.speculation, self.stats, self.step_times)
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
@@ -148,6 +158,7 @@ class Scheduler:
     def check(self, request: GenerationRequest) -> None:
         """Validates a request against the engine's shapes; raises a `MetraleError`."""
         self.validator.check(request)
+        check_target(request.max_itl_ms)
 
     def submit(self, request: GenerationRequest, loop=None) -> RequestHandle:
         """Queues a request; returns its handle. Raises `BusyError` when the queue is full.
@@ -248,6 +259,8 @@ class Scheduler:
                     options["background"] = True
                 self.engine.warmup(**options)
             self.steps.reset_state()
+            if self._warmup != "none":
+                self.steps.measure()  # the step-time model's shapes (compiled programs)
             self.loras.load_initial()
         except Exception as e:  # nothing can be served: fail whatever is queued
             log.exception("engine warmup failed")

@@ -5,12 +5,15 @@ A step runs every decoding row's next token(s) plus the chunk of prompt pieces t
 of `Speculation`). Its output starts copying to the host at once and is read on a later
 iteration (`read`), so the device is never idle while Python detokenizes: each owner row's
 tokens go to its sequence, a beam row's top list to its search (`BeamRows`), a pooling
-request's vector (`StepOutput.pooled`) to its caller as its `Pooled` end.
+request's vector (`StepOutput.pooled`) to its caller as its `Pooled` end. Each step's real
+time goes to the step-time model (`step_time.StepClock`), which `measure` also fills after
+warmup.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +25,9 @@ from metrale_jax.scheduler.events import Pooled
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.rows import Pending, Rows
 from metrale_jax.scheduler.speculation import Speculation
+from metrale_jax.scheduler.step_time import StepClock, StepTimes
+
+log = logging.getLogger(__name__)
 
 
 class StepRunner:
@@ -31,6 +37,7 @@ class StepRunner:
         engine: the `Engine` (`step`, `init_decode_state`, `pages`, `lengths`).
         rows, grammar, chunks, beams, speculation: the scheduler's parts.
         stats: the scheduler's counters ("steps", "tokens", "finished").
+        times: the step-time model fed with each step's real time (None: none).
 
     Attributes:
         state: the engine's `DecodeState` (None until `reset_state`).
@@ -38,7 +45,8 @@ class StepRunner:
     """
 
     def __init__(self, engine: Any, rows: Rows, grammar: GrammarSlots, chunks: ChunkPlanner,
-                 beams: BeamRows, speculation: Speculation, stats: collections.Counter):
+                 beams: BeamRows, speculation: Speculation, stats: collections.Counter,
+                 times: StepTimes | None = None):
         self.engine = engine
         self.rows = rows
         self.grammar = grammar
@@ -48,6 +56,23 @@ class StepRunner:
         self.stats = stats
         self.state: Any = None
         self.pending: collections.deque[Pending] = collections.deque()
+        self.times = times
+        self.clock = StepClock(times) if times is not None else None
+        self._timing: dict[int, Any] = {}  # id(Pending) -> its StepClock record
+
+    def measure(self) -> None:
+        """Times each compiled mixed step shape once on a scratch state (`StepTimes.measure`,
+        after warmup; an encoder-decoder's steps need sources: not measured), then starts
+        from a fresh state. A failure is logged: the model keeps its prior."""
+        if self.times is None or self.engine.sources is not None:
+            return
+        programs = self.engine.step_programs
+        try:
+            self.state = self.times.measure(self.engine, self.state,
+                                            ready=lambda n, c: programs.ready(n, c, 1))
+        except Exception:
+            log.exception("could not time the step shapes")
+        self.reset_state()
 
     def reset_state(self) -> None:
         """A fresh decode state (at start, and after a failed iteration)."""
@@ -57,6 +82,9 @@ class StepRunner:
         """Forgets the steps in flight and the beam rows not set (a failed iteration)."""
         self.pending.clear()
         self.beams.reset()
+        self._timing.clear()
+        if self.clock is not None:
+            self.clock.forget()
 
     def drain(self) -> None:
         """Reads every launched step."""
@@ -86,7 +114,7 @@ class StepRunner:
                 continue
             if not preempt():
                 return False
-        pieces = self.chunks.plan(need) if self.rows.prefilling else []
+        pieces = self.chunks.plan(need, active) if self.rows.prefilling else []
         if not active.any() and not pieces:
             return False
         if not pieces and not self.pending:
@@ -96,8 +124,17 @@ class StepRunner:
                                                                drafts)
                 self.pending.append(launched)
                 return True
+        started = self.clock.start() if self.clock is not None else None
         self.state, out = engine.step(self.state, active, allowed, [p for p, _ in pieces])
         _start_copy(out)
+        timing = None
+        if self.clock is not None:
+            cost = engine.step_cost
+            timing = self.clock.launched_step(
+                started, out,
+                (*engine.step_shape(active, sum(len(p.tokens) for p, _ in pieces)),
+                 any(p.start for p, _ in pieces)),
+                sum(cost.context_flops(len(p.tokens), p.start) for p, _ in pieces))
         self.stats["steps"] += 1
         owners = self.rows.decode_owners(active)
         r = 0
@@ -107,13 +144,19 @@ class StepRunner:
                 self.rows.prefilling.remove(piece.slot)
                 r += 1
         self.grammar.launched(np.array([slot for _, slot, _ in owners], np.int64))
-        self.pending.append(Pending(out, owners))
+        launched = Pending(out, owners)
+        self.pending.append(launched)
+        if timing is not None:
+            self._timing[id(launched)] = timing
         return True
 
     def consume(self, pending: Pending) -> None:
         """Reads a launched step's output: each owner row's tokens (`[k, B + r]`) go to its
         sequence (a beam row's top list to its search); finished rows are freed."""
         out = pending.output
+        timing = self._timing.pop(id(pending), None)
+        if self.clock is not None:
+            self.clock.read(timing, out)
         tokens = np.asarray(out.tokens)
         logprobs = np.asarray(out.logprobs)
         top_ids = np.asarray(out.top_ids)

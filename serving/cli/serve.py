@@ -191,6 +191,17 @@ def _media_domains(values: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _itl_ms(value: str) -> float:
+    """`--max-itl-ms`: a finite number of milliseconds >= 0 (0: no target)."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and ms >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds >= 0, not {value!r}")
+    return ms
+
+
 def _lora_flags(values: list[str]) -> dict[str, str]:
     """--lora NAME=PATH values as {name: path}; a malformed or repeated one is an error."""
     out: dict[str, str] = {}
@@ -290,7 +301,8 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         media_fetch_timeout=args.media_fetch_timeout, warmup=args.warmup, task=args.task,
         models=args.models, models_dir=args.models_dir,
         max_loaded_models=args.max_loaded_models, memory_budget_gb=args.memory_budget_gb,
-        keep_alive=args.keep_alive, model_wait_timeout=args.model_wait_timeout)
+        keep_alive=args.keep_alive, model_wait_timeout=args.model_wait_timeout,
+        max_itl_ms=args.max_itl_ms)
     return settings
 
 
@@ -409,6 +421,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="default per-request timeout in seconds (0 = none)")
     srv.add_argument("--max-waiting", type=int, default=256,
                      help="requests that may wait for a slot; beyond: 503 with Retry-After")
+    srv.add_argument("--max-itl-ms", type=_itl_ms, default=None, metavar="MS",
+                     help="latency target: while streams decode, each step's prompt chunk is "
+                          "sized so the step's predicted time stays within MS (a request's "
+                          "max_itl_ms may ask for less); 0: none (default 300)")
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds in-flight requests get after SIGTERM")
     srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

@@ -77,6 +77,8 @@ class Generation:
             the decoder's); their tokens count as prompt tokens. None: a decoder-only model.
         images: a vision-language model's `PromptImage`s, one tuple per prompt (their
             placeholder runs are in the prompt's ids, and counted). None: no images.
+        max_itl_ms: the request's latency target (`GenerationRequest.max_itl_ms`; None: the
+            server's).
     """
 
     def __init__(self, runtime: Any, metrics: Metrics, prompts: Sequence[Sequence[int]],
@@ -84,7 +86,8 @@ class Generation:
                  tenant: str | None = None, cache_salt: str | None = None,
                  sources: Sequence[Sequence[int]] | None = None,
                  images: Sequence[Sequence[Any]] | None = None,
-                 tenant_slots: int | None = None, priority: int = 0):
+                 tenant_slots: int | None = None, priority: int = 0,
+                 max_itl_ms: float | None = None):
         self.runtime = runtime
         self.metrics = metrics
         self.timeout = timeout
@@ -104,7 +107,8 @@ class Generation:
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{len(self.requests)}",
                     tenant=tenant, cache_salt=cache_salt, source=source,
-                    images=pictures, tenant_slots=tenant_slots, priority=priority))
+                    images=pictures, tenant_slots=tenant_slots, priority=priority,
+                    max_itl_ms=max_itl_ms))
                 self.choices += [ChoiceState(len(self.choices) + i, p, counted)
                                  for i in range(n)]
                 continue
@@ -116,7 +120,8 @@ class Generation:
                 self.requests.append(GenerationRequest.make(
                     ids, sp, timeout=timeout, request_id=f"{request_id}-{index}",
                     tenant=tenant, cache_salt=cache_salt, source=source,
-                    images=pictures, tenant_slots=tenant_slots, priority=priority))
+                    images=pictures, tenant_slots=tenant_slots, priority=priority,
+                    max_itl_ms=max_itl_ms))
                 self.choices.append(ChoiceState(index, p, counted))
         self.handles: list[Any] = []
         self._tasks: list[asyncio.Task] = []

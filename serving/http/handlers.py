@@ -95,6 +95,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
     params = output.adjust_params(params, rt.tokenizer, req.tools, req.thinking_budget)
     gen = Generation(rt, state.metrics, [prompt], params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
+                     max_itl_ms=req.max_itl_ms,
                      images=[images], **state.access.generation_options(req.priority))
     gen.check()
     state.access.submit(gen)  # reserves its tokens against the key's limits
@@ -136,6 +137,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest,
                                  lora=lora)
     gen = Generation(rt, state.metrics, prompts, params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
+                     max_itl_ms=req.max_itl_ms,
                      **state.access.generation_options(req.priority))
     gen.check("prompt")
     state.access.submit(gen)  # reserves its tokens against the key's limits
@@ -154,6 +156,7 @@ def _translate(state: ServerState, rt: ModelRuntime, req: Any, texts: list[str],
                                 prompt_param)
     gen = Generation(rt, state.metrics, [x.prompt for x in inputs], params, req.n,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
+                     max_itl_ms=req.max_itl_ms,
                      sources=[x.source for x in inputs],
                      **state.access.generation_options(req.priority))
     gen.check(prompt_param)

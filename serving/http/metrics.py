@@ -73,6 +73,9 @@ class _SchedulerCollector(Collector):
         usage = 0.0 if pages is None else 1 - pages.free_pages / pages.usable_pages
         yield gauge("kv_cache_usage_perc", "Fraction of the KV page pool held by sequences.",
                     usage)
+        times = getattr(scheduler, "step_times", None)
+        yield gauge("max_itl_ms", "The latency target a step beside decoding rows is sized "
+                    "to (ms; 0: none).", (times.target_ms or 0.0) if times is not None else 0.0)
 
 
 def _router_counters(scheduler: Any) -> Iterator[Any]:

@@ -36,6 +36,9 @@ class RequestBody(BaseModel):
     # Ollama's: how long the model stays loaded once idle ("5m", seconds, 0, -1; checked by
     # serving/http/model_catalog.parse_keep_alive when the model is acquired).
     keep_alive: float | str | None = None
+    # Metrale's: the inter-token latency this request wants while it decodes (ms; clamped
+    # by the server to [scheduler/step_time.FLOOR_MS, --max-itl-ms]).
+    max_itl_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
     def unknown_fields(self) -> list[str]:
         """Names of fields this server does not know (ignored)."""

@@ -183,7 +183,9 @@ class ModelRuntime:
         s = self.settings
         self.scheduler = Scheduler(engine, self.checkpoint.tokenizer, self.eos_token_ids,
                                    max_waiting=s.max_waiting, warmup=warmup,
-                                   warmup_progress=progress, loras=self.loras)
+                                   warmup_progress=progress, loras=self.loras,
+                                   **({} if s.max_itl_ms is None
+                                      else {"max_itl_ms": s.max_itl_ms}))
         self.scheduler.wait_ready()
         if self.scheduler.startup_error is not None:
             raise self.scheduler.startup_error

@@ -83,6 +83,10 @@ class ServerSettings:
     keep_alive: seconds an idle model stays loaded (Ollama's `keep_alive`; `math.inf`:
         forever, 0: unloaded once answered); None: forever with one model, 5 minutes with
         several. A request's `keep_alive` overrides it for its model.
+    max_itl_ms: the latency target (ms): while rows decode, each step's prompt chunk is sized
+        so that its predicted time stays within it (metrale_jax/scheduler/step_time.py); a
+        request's `max_itl_ms` may ask for less (clamped to `step_time.FLOOR_MS`); None: the
+        scheduler's default (`step_time.DEFAULT_MAX_ITL_MS`, 300); 0: no target.
     model_wait_timeout: seconds a request waits for room to load its model while every
         loaded model is busy, before a 503 with Retry-After.
     """
@@ -129,6 +133,7 @@ class ServerSettings:
     memory_budget_gb: float | None = None
     keep_alive: float | None = None
     model_wait_timeout: float = 60.0
+    max_itl_ms: float | None = None
 
     @property
     def warmup_mode(self) -> str:

@@ -16,7 +16,11 @@
                 "max_concurrent", "running" (slots held), "waiting"}},
      "moe": null for a dense model, else {"expert_tokens": [[tokens routed to each expert]
             per layer] (since start), "imbalance": [per layer, the busiest expert's tokens
-            over the mean; 1.0 is even, None before any token]}}
+            over the mean; 1.0 is even, None before any token]},
+     "latency": null before the loop starts, else the latency target and the step-time model
+            (`StepTimes.report`): {"max_itl_ms" (null: none), "floor_ms",
+            "context_s_per_gflop", "shapes": [{"rows", "chunk", "late",
+            "measured_at_warmup_ms", "predicted_ms", "actual_ms", "steps"}]}}
 
 Tenants, never keys: the stats name who is calling, and an admin key is needed to read them
 when keys are configured (serving/http/access.py).
@@ -124,6 +128,8 @@ def stats_body(state: Any) -> dict[str, Any]:
         "errors": state.errors.to_dict(),
         "tenants": tenants,
         "moe": moe_stats(scheduler.engine if scheduler is not None else None),
+        "latency": (scheduler.step_times.report()
+                    if getattr(scheduler, "step_times", None) is not None else None),
         "models": state.pool.rows(),
     }
 

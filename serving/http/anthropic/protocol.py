@@ -57,6 +57,7 @@ class _Request(BaseModel):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     keep_alive: float | str | None = None  # Ollama's (serving/http/model_catalog.py)
+    max_itl_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # Metrale's
 
     def unknown_fields(self) -> list[str]:
         """Fields the request sent that this server does not know (logged, ignored)."""
@@ -66,7 +67,7 @@ class _Request(BaseModel):
         """The chat request's fields (a dict for `ChatCompletionRequest`)."""
         out: dict[str, Any] = {"model": self.model,
                                "messages": chat_messages(self.system, self.messages),
-                               "keep_alive": self.keep_alive}
+                               "keep_alive": self.keep_alive, "max_itl_ms": self.max_itl_ms}
         if self.tools:
             out["tools"] = [_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:

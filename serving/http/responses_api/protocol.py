@@ -170,7 +170,8 @@ class _ResponseBody(RequestBody):
         body: dict[str, Any] = {
             k: v for k, v in (self.model_extra or {}).items() if k in PASSTHROUGH}
         body.update(messages=messages, model=self.model, stream=self.stream,
-                    keep_alive=self.keep_alive, priority=self.priority)
+                    keep_alive=self.keep_alive, priority=self.priority,
+                    max_itl_ms=self.max_itl_ms)
         for chat, ours in SPELLED.items():
             if getattr(self, ours) is not None:
                 body[chat] = getattr(self, ours)
