@@ -53,6 +53,10 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily(PREFIX + "num_preemptions",
                                   "Sequences preempted (pages freed, recomputed later) when the "
                                   "KV page pool ran dry.", value=stats.get("preempted", 0))
+        yield CounterMetricFamily(PREFIX + "num_preemptions_by_priority",
+                                  "Sequences preempted (recomputed later) to make room for a "
+                                  "request of a better priority.",
+                                  value=stats.get("preempted_by_priority", 0))
         yield CounterMetricFamily(PREFIX + "prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache.",
                                   value=stats.get("prefix_cache_queries", 0))

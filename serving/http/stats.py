@@ -39,6 +39,7 @@ from typing import Any
 
 RECENT_ERRORS = 20
 COUNTERS = ("admitted", "finished", "steps", "tokens", "loop_errors", "preempted",
+            "preempted_by_priority",
             "prefix_cache_queries", "prefix_cache_hits", "spec_drafted", "spec_accepted")
 
 
