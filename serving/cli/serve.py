@@ -424,7 +424,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-itl-ms", type=_itl_ms, default=None, metavar="MS",
                      help="latency target: while streams decode, each step's prompt chunk is "
                           "sized so the step's predicted time stays within MS (a request's "
-                          "max_itl_ms may ask for less); 0: none (default 300)")
+                          "max_itl_ms may ask for less); 0: none (default 250)")
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds in-flight requests get after SIGTERM")
     srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

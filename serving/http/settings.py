@@ -86,7 +86,7 @@ class ServerSettings:
     max_itl_ms: the latency target (ms): while rows decode, each step's prompt chunk is sized
         so that its predicted time stays within it (metrale_jax/scheduler/step_time.py); a
         request's `max_itl_ms` may ask for less (clamped to `step_time.FLOOR_MS`); None: the
-        scheduler's default (`step_time.DEFAULT_MAX_ITL_MS`, 300); 0: no target.
+        scheduler's default (`step_time.DEFAULT_MAX_ITL_MS`, 250); 0: no target.
     model_wait_timeout: seconds a request waits for room to load its model while every
         loaded model is busy, before a 503 with Retry-After.
     """

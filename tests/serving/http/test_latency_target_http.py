@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from metrale_jax.scheduler.step_time import DEFAULT_MAX_ITL_MS
 from tests.serving.conftest import MODEL, get_json, post
 
 COMPLETION = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 2,
@@ -60,10 +61,10 @@ def test_stats_report_the_target_and_the_step_times(server, base_url):
     post(base_url, "/v1/completions", {**COMPLETION, "max_tokens": 8})
     latency = get_json(base_url, "/v1/metrale/stats")["latency"]
     model = server.state.runtime.scheduler.step_times
-    assert latency["max_itl_ms"] == 300.0 and latency["floor_ms"] == 20.0
+    assert latency["max_itl_ms"] == DEFAULT_MAX_ITL_MS and latency["floor_ms"] == 20.0
     # a request asking for less than the floor gets the floor; more than the server's: its
     assert model.target_s([5]) == pytest.approx(0.02)
-    assert model.target_s([10_000]) == pytest.approx(0.3)
+    assert model.target_s([10_000]) == pytest.approx(DEFAULT_MAX_ITL_MS / 1000)
     shapes = {(s["rows"], s["chunk"], s["late"]): s for s in latency["shapes"]}
     # warmup "full": every mixed shape was timed; decode steps were observed since
     assert all(shapes[(n, c, False)]["measured_at_warmup_ms"] > 0
@@ -71,4 +72,4 @@ def test_stats_report_the_target_and_the_step_times(server, base_url):
     observed = [s for s in latency["shapes"] if s["steps"]]
     assert observed and all(s["actual_ms"] > 0 and s["predicted_ms"] > 0 for s in observed)
     with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
-        assert "metrale:max_itl_ms 300.0" in r.read().decode()
+        assert f"metrale:max_itl_ms {DEFAULT_MAX_ITL_MS}" in r.read().decode()
