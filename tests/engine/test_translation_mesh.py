@@ -4,7 +4,8 @@ The test builds the model folder; one subprocess (XLA_FLAGS=--xla_force_host_pla
 count=8) runs this file as a script: an `LLM` on one device and one on the mesh (data=2,
 model=4: rows on data, the 4 heads on model) each translate the same three texts greedily and
 with num_beams 4 (all in flight together), and the child prints a JSON report of the ids,
-where the cross-attention cache lives and how many programs compiled after warmup.
+where the cross-attention cache lives and how many programs the mesh's `LLM` compiled after
+its warmup.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ SHAPES = dict(max_slots=8, max_len=32, max_source_len=64, max_prefill_len=16,
 def _run(folder: str, mesh: tuple[int, int], cache_dir: str) -> dict:
     from metrale_jax import LLM, SamplingParams
 
-    llm = LLM(folder, mesh=mesh, warmup=True, compilation_cache_dir=cache_dir, **SHAPES)
+    # Only the mesh run warms up (its check: nothing compiles after warmup); the one-device
+    # run is the reference tokens, compiled as it goes.
+    warmup = mesh != (1, 1)
+    llm = LLM(folder, mesh=mesh, warmup=warmup, compilation_cache_dir=cache_dir, **SHAPES)
     try:
         engine = llm.scheduler.engine
         compiles = engine.compile_count
@@ -47,7 +51,7 @@ def _run(folder: str, mesh: tuple[int, int], cache_dir: str) -> dict:
             mesh=list(engine.mesh.shape.values()),
             ids=[[list(b.token_ids) for b in o.beams] if o.beams else [list(o.token_ids)]
                  for o in outs],
-            compiles_after_warmup=engine.compile_count - compiles,
+            compiles_after_warmup=engine.compile_count - compiles if warmup else None,
             cross_spec=[str(x) for x in engine.shardings.state.cross.k[0].spec],
             cross_devices=len(engine.shardings.state.cross.k[0].device_set))
     finally:
@@ -90,7 +94,7 @@ def test_cross_cache_rows_on_data_heads_on_model_and_nothing_compiles(reports):
     # [B, S, H, D]: rows on data, the 4 heads on model
     assert mesh["cross_spec"] == ["data", "None", "model", "None"]
     assert mesh["cross_devices"] == 8 and one["cross_devices"] == 1
-    assert one["compiles_after_warmup"] == 0 and mesh["compiles_after_warmup"] == 0
+    assert mesh["compiles_after_warmup"] == 0
 
 
 if __name__ == "__main__":
