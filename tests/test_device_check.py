@@ -1,0 +1,106 @@
+"""The device check (`bench/device_check.py`) end to end on the CPU backend with tiny shapes:
+every part reports a status; a part that raises, needs a missing JAX API or hangs is reported
+failed while the others still run. Plus its table of devices and its wheel list."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.device_specs import lookup, markdown_table
+from bench.device_wheels import HOST_HAS, normalize, wanted_requirements
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST_TEST = "tests/test_device_check.py::test_the_backend_multiplies_like_numpy"
+
+
+@pytest.mark.accelerator
+def test_the_backend_multiplies_like_numpy():
+    """The device's float32 product against NumPy's (the check's own quick marked test)."""
+    import jax.numpy as jnp
+    a = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(jnp.asarray(a) @ jnp.asarray(a.T)), a @ a.T,
+                               rtol=1e-5, atol=1e-4)
+
+
+def check(out: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:
+    """Runs `python -m bench.device_check --tiny --out out ARGS`; (its JSON, its stdout)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.device_check", "--tiny", "--out",
+                           str(out), *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=400)
+    assert (out / "device_check.md").read_text() in proc.stdout
+    return json.loads((out / "device_check.json").read_text()), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The whole check, tiny, its tests part restricted to the one quick marked test."""
+    return check(tmp_path_factory.mktemp("device-check"), "--tests", FAST_TEST)
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    """A check whose tests part raises, throughput part needs an API JAX lacks and server
+    part hangs past a 3 s limit."""
+    return check(tmp_path_factory.mktemp("device-check-broken"), "--limit", "server=3",
+                 env={"METRALE_DEVICE_CHECK_FAIL": "tests",
+                      "METRALE_DEVICE_CHECK_REQUIRE": "throughput:jax.no_such_api",
+                      "METRALE_DEVICE_CHECK_HANG": "server"})
+
+
+def test_every_part_runs_and_passes_on_cpu(full):
+    report, out = full
+    assert set(report["parts"]) == {"detect", "tests", "throughput", "server"}
+    for name, part in report["parts"].items():
+        assert part["status"] == "pass", (name, part.get("error"), part.get("traceback"))
+    assert report["backend"]["backend"] == "cpu"
+    assert report["backend"]["jax"] and report["backend"]["jaxlib"]
+    assert "1 passed" in report["parts"]["tests"]["summary"]
+    decode = report["parts"]["throughput"]["details"]["decode"]
+    assert [r["batch"] for r in decode] == [1, 4, 8]  # --tiny; else 1, 16, 64
+    assert all(r["tokens_per_s"] > 0 and r["bandwidth_fraction"] is None for r in decode)
+    assert "CPU backend" in report["parts"]["throughput"]["details"]["fraction_reason"]
+    levels = report["parts"]["server"]["details"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [16, 64]
+    assert all(lv["failed"] == 0 and lv["output_tok_s"] > 0 for lv in levels)
+    assert "| throughput | pass |" in out
+
+
+def test_a_failing_part_is_reported_and_the_others_still_run(broken):
+    report, out = broken
+    parts = report["parts"]
+    assert parts["detect"]["status"] == "pass"
+    assert parts["tests"]["status"] == "fail"
+    assert "injected failure" in parts["tests"]["error"]
+    assert "Traceback" in parts["tests"]["traceback"]
+    assert parts["throughput"]["status"] == "fail"
+    assert "missing API" in parts["throughput"]["error"]
+    assert "jax.no_such_api" in parts["throughput"]["error"]
+    assert parts["server"]["status"] == "fail"
+    assert parts["server"]["summary"].startswith("timeout")
+    assert "jax.no_such_api" in out
+
+
+def test_the_table_knows_the_usual_devices():
+    assert lookup("TPU v5 lite").name == "TPU v5e"
+    assert lookup("TPU v5").name == "TPU v5p"
+    assert lookup("TPU v6 lite").name.startswith("TPU v6e")
+    assert lookup("NVIDIA H100 80GB HBM3").name == "NVIDIA H100 SXM"
+    assert lookup("NVIDIA H100 PCIe").name == "NVIDIA H100 PCIe"
+    assert lookup("NVIDIA A100-SXM4-40GB").hbm_gbps == 1555
+    assert lookup("NVIDIA L4").name == "NVIDIA L4"
+    assert lookup("NVIDIA L40S").name == "NVIDIA L40S"
+    assert lookup("cpu") is None and lookup("NVIDIA Quantum 9000") is None
+    assert "| NVIDIA H200 |" in markdown_table()
+
+
+def test_the_wheels_are_the_runtime_dependencies_the_host_lacks():
+    wanted = {normalize(r.split(">")[0].split("=")[0]) for r in wanted_requirements()}
+    assert {"quart", "quart-cors", "hypercorn", "pydantic", "llguidance", "gguf"} <= wanted
+    assert not wanted & {normalize(n) for n in HOST_HAS}
