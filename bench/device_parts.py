@@ -123,11 +123,22 @@ def _junit_counts(path: Path) -> dict:
             "not_collected": missing}
 
 
+def marked_files(root: Path = ROOT) -> list[str]:
+    """The test files that hold `accelerator` tests: those spelling `mark.accelerator`, and
+    tests/models' kernel contract files (tests/conftest.py marks their tests). Collecting
+    only these keeps out the rest of the suite's imports (torch, openai, ...)."""
+    out = [p for p in sorted((root / "tests").rglob("test_*.py"))
+           if "mark.accelerator" in p.read_text(errors="replace")
+           or (p.parent.name == "models" and "kernel_contract" in p.name)]
+    return [str(p.relative_to(root)) for p in out]
+
+
 def tests(config: dict, out: Path) -> dict:
-    """`pytest -m accelerator` (or the config's selection) in a subprocess; its counts."""
+    """`pytest -m accelerator` over `marked_files()` (or the config's selection) in a
+    subprocess; its counts."""
     junit = out / "accelerator-tests.xml"
     log = out / "logs" / "pytest.log"
-    select = config.get("tests") or ["tests"]
+    select = config.get("tests") or marked_files()
     cmd = [sys.executable, "-m", "pytest", "-m", "accelerator", "-q", "-p", "no:cacheprovider",
            "--continue-on-collection-errors", f"--junitxml={junit}", "-o", "addopts=-ra",
            *select]

@@ -17,13 +17,13 @@ from typing import Any
 @dataclass(frozen=True)
 class DeviceSpec:
     """One chip's published peaks: `name`; `hbm_gbps` memory bandwidth in GB/s (10^9 B/s);
-    `bf16_tflops` dense bfloat16 peak in TFLOP/s (10^12); `hbm_gib` memory per device;
+    `bf16_tflops` dense bfloat16 peak in TFLOP/s (10^12); `hbm_gb` memory per device;
     `match`: lower-case substrings that must all occur in the device kind; `note`."""
 
     name: str
     hbm_gbps: float
     bf16_tflops: float
-    hbm_gib: float
+    hbm_gb: float
     match: tuple[str, ...]
     note: str = ""
 
@@ -87,7 +87,7 @@ def unknown_reason(kind: str | None, backend: str | None) -> str:
 
 def markdown_table() -> str:
     """The table of known devices as Markdown (one row per distinct name)."""
-    rows = ["| device | HBM GB/s | bf16 TFLOP/s (dense) | memory GiB | matched in device_kind |",
+    rows = ["| device | HBM GB/s | bf16 TFLOP/s (dense) | memory GB | matched in device_kind |",
             "|---|---:|---:|---:|---|"]
     seen: dict[str, list[str]] = {}
     for spec in SPECS:
@@ -95,5 +95,5 @@ def markdown_table() -> str:
     for spec in SPECS:
         if spec.name in seen:
             rows.append(f"| {spec.name} | {spec.hbm_gbps:g} | {spec.bf16_tflops:g} | "
-                        f"{spec.hbm_gib:g} | {' or '.join(seen.pop(spec.name))} |")
+                        f"{spec.hbm_gb:g} | {' or '.join(seen.pop(spec.name))} |")
     return "\n".join(rows)

@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,9 +118,24 @@ def install(wheels: Path, target: Path) -> int:
         print("device-wheels: every project of", wheels, "is installed already")
         return 0
     print("device-wheels: installing into", target, ":", " ".join(missing))
+    if subprocess.run([sys.executable, "-m", "pip", "--version"],
+                      capture_output=True).returncode != 0:
+        return unpack(wheels, target, missing)
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
            "--find-links", str(wheels), "--target", str(target), "--upgrade", *missing]
     return subprocess.run(cmd).returncode
+
+
+def unpack(wheels: Path, target: Path, projects: list[str]) -> int:
+    """Where the host's Python has no pip: unzips the wheels of `projects` into `target` (a
+    wheel is a zip of its site-packages files; none of these needs its install scripts)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for wheel in sorted(wheels.glob("*.whl")):
+        if wheel_project(wheel) in projects:
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(target)
+    print("device-wheels: no pip here: unpacked the wheels into", target)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
