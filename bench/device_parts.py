@@ -85,7 +85,7 @@ def detect(config: dict, out: Path) -> dict:
         memory = None
     spec = lookup(dev.device_kind)
     details = {"backend": backend, "device_kind": dev.device_kind, "device_count": len(devices),
-               "platform_version": getattr(dev.client, "platform_version", None),
+               "platform_version": getattr(getattr(dev, "client", None), "platform_version", None),
                "jax": jax.__version__, "jaxlib": _version("jaxlib"), "plugins": plugins,
                "python": platform.python_version(), "memory_bytes": memory,
                "spec": spec.to_json() if spec else None,
@@ -97,7 +97,10 @@ def detect(config: dict, out: Path) -> dict:
 
 
 # ---- tests: the accelerator subset ----------------------------------------------------------
-def _junit_counts(path: Path) -> dict:
+def junit_counts(path: Path) -> dict:
+    """A pytest JUnit XML report's outcome: passed (count), failed and errors ("test: first
+    line of the message"), skipped ({reason: count}) and not_collected ({missing module:
+    [test modules whose import failed for want of it]})."""
     root = ET.parse(path).getroot()
     cases = root.iter("testcase")
     failed, errors, missing, skipped = [], [], {}, {}
@@ -155,9 +158,9 @@ def tests(config: dict, out: Path) -> dict:
     if not junit.is_file():
         tail = log.read_text()[-1500:]
         raise RuntimeError(f"pytest exited {proc.returncode} with no report:\n{tail}")
-    counts = _junit_counts(junit)
+    counts = junit_counts(junit)
     counts["returncode"] = proc.returncode
-    counts["command"] = " ".join(cmd[1:])
+    counts["command"] = "python " + " ".join(cmd[1:])
     n_missing = sum(len(v) for v in counts["not_collected"].values())
     status = "fail" if counts["failed"] or counts["errors"] or proc.returncode not in (0, 5) \
         else "pass"

@@ -157,8 +157,9 @@ def server(config: dict, out: Path) -> dict:
                  "--output-len", output, "--timeout", "120", "--out", str(raw)]
         left = max(5.0, deadline - time.monotonic())
         try:
-            res = subprocess.run(bench, cwd=ROOT, env=env, capture_output=True, text=True,
-                                 timeout=left)
+            # the client needs no device (a TPU is held by the server's process)
+            res = subprocess.run(bench, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"},
+                                 capture_output=True, text=True, timeout=left)
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"timeout: metrale bench ran past {left:.0f} s") from None
         if res.returncode != 0:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.device_parts import junit_counts
 from bench.device_specs import lookup, markdown_table
 from bench.device_wheels import HOST_HAS, normalize, wanted_requirements
 
@@ -104,3 +105,23 @@ def test_the_wheels_are_the_runtime_dependencies_the_host_lacks():
     wanted = {normalize(r.split(">")[0].split("=")[0]) for r in wanted_requirements()}
     assert {"quart", "quart-cors", "hypercorn", "pydantic", "llguidance", "gguf"} <= wanted
     assert not wanted & {normalize(n) for n in HOST_HAS}
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="" name="tests.scheduler.test_lora"><error message="collection failure">
+ImportError while importing test module
+E   ModuleNotFoundError: No module named 'torch'</error></testcase>
+<testcase classname="t" name="test_s"><skipped message="no TPU here">x</skipped></testcase>
+<testcase classname="t" name="test_f"><failure message="assert 1 == 2">...</failure></testcase>
+<testcase classname="t" name="test_e"><error message="fixture broke">...</error></testcase>
+<testcase classname="t" name="test_ok" /></testsuite></testsuites>"""
+
+
+def test_the_tests_part_sorts_failures_skips_and_missing_modules(tmp_path):
+    (tmp_path / "j.xml").write_text(JUNIT)
+    counts = junit_counts(tmp_path / "j.xml")
+    assert counts["passed"] == 1
+    assert counts["failed"] == ["t::test_f: assert 1 == 2"]
+    assert counts["errors"] == ["t::test_e: fixture broke"]
+    assert counts["skipped"] == {"no TPU here": 1}
+    assert counts["not_collected"] == {"torch": ["tests.scheduler.test_lora"]}
