@@ -1,6 +1,7 @@
 """The device check (`bench/device_check.py`) end to end on the CPU backend with tiny shapes:
 every part reports a status; a part that raises, needs a missing JAX API or hangs is reported
-failed while the others still run. Plus its table of devices and its wheel list."""
+failed while the others still run; test files needing a module the host lacks are listed.
+Plus its table of devices and its wheel list."""
 
 from __future__ import annotations
 
@@ -47,10 +48,18 @@ def full(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def broken(tmp_path_factory):
-    """A check whose tests part raises, throughput part needs an API JAX lacks and server
-    part hangs past a 3 s limit."""
+    """A check on a host without torch (a stand-in package that fails to import first on
+    PYTHONPATH) whose detect part raises, throughput part needs an API JAX lacks and server
+    part hangs past a 3 s limit; its tests part selects a file whose folder's conftest needs
+    torch beside the quick marked test."""
+    fake = tmp_path_factory.mktemp("no-torch")
+    (fake / "torch").mkdir()
+    (fake / "torch" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    path = os.pathsep.join([str(fake), str(ROOT), os.environ.get("PYTHONPATH", "")])
     return check(tmp_path_factory.mktemp("device-check-broken"), "--limit", "server=3",
-                 env={"METRALE_DEVICE_CHECK_FAIL": "tests",
+                 "--tests", "tests/scheduler/test_scheduler.py", FAST_TEST,
+                 env={"PYTHONPATH": path, "METRALE_DEVICE_CHECK_FAIL": "detect",
                       "METRALE_DEVICE_CHECK_REQUIRE": "throughput:jax.no_such_api",
                       "METRALE_DEVICE_CHECK_HANG": "server"})
 
@@ -76,16 +85,22 @@ def test_every_part_runs_and_passes_on_cpu(full):
 def test_a_failing_part_is_reported_and_the_others_still_run(broken):
     report, out = broken
     parts = report["parts"]
-    assert parts["detect"]["status"] == "pass"
-    assert parts["tests"]["status"] == "fail"
-    assert "injected failure" in parts["tests"]["error"]
-    assert "Traceback" in parts["tests"]["traceback"]
+    assert parts["detect"]["status"] == "fail"
+    assert "injected failure" in parts["detect"]["error"]
+    assert "Traceback" in parts["detect"]["traceback"]
     assert parts["throughput"]["status"] == "fail"
     assert "missing API" in parts["throughput"]["error"]
     assert "jax.no_such_api" in parts["throughput"]["error"]
     assert parts["server"]["status"] == "fail"
     assert parts["server"]["summary"].startswith("timeout")
     assert "jax.no_such_api" in out
+
+
+def test_files_needing_a_module_the_host_lacks_are_listed_and_the_rest_runs(broken):
+    tests = broken[0]["parts"]["tests"]
+    assert tests["status"] == "pass", tests
+    assert tests["details"]["passed"] == 1
+    assert tests["details"]["not_collected"] == {"torch": ["tests/scheduler/test_scheduler.py"]}
 
 
 def test_the_table_knows_the_usual_devices():
