@@ -97,6 +97,16 @@ def detect(config: dict, out: Path) -> dict:
 
 
 # ---- tests: the accelerator subset ----------------------------------------------------------
+def _absent(module: str) -> bool:
+    """True when `module`'s top-level package is not installed at all (torch on a lent
+    host), False when it is and only the submodule is missing."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module.split(".")[0]) is None
+    except ImportError:  # a finder that refuses it
+        return True
+
+
 def junit_counts(path: Path) -> dict:
     """A pytest JUnit XML report's outcome: passed (count), failed and errors ("test: first
     line of the message"), skipped ({reason: count}) and not_collected ({missing module:
@@ -113,8 +123,11 @@ def junit_counts(path: Path) -> dict:
         elif err is not None:
             text = (err.get("message") or "") + "\n" + (err.text or "")
             found = re.search(r"No module named '([^']+)'", text)
-            if found:
+            if found and _absent(found.group(1)):
                 missing.setdefault(found.group(1).split(".")[0], []).append(name)
+            elif found:  # a package that is there lacks the submodule: an API change
+                errors.append(f"{name}: no module {found.group(1)} in the installed "
+                              f"{found.group(1).split('.')[0]} (an API that moved?)")
             else:
                 errors.append(f"{name}: {(err.get('message') or '').splitlines()[0][:200]}")
         elif skip is not None:
@@ -177,6 +190,10 @@ def tests(config: dict, out: Path) -> dict:
         found = CONFTEST_MISSING.search(text)
         if found is None:
             raise RuntimeError(f"pytest exited {proc.returncode} with no report:\n"
+                               f"{text[-1500:]}")
+        if not _absent(found.group(2)):
+            raise RuntimeError(f"a conftest needs {found.group(2)}, missing from the installed "
+                               f"{found.group(2).split('.')[0]} (an API that moved?):\n"
                                f"{text[-1500:]}")
         folder = Path(found.group(1)).parent.relative_to(ROOT)
         gone = [t for t in select if Path(t.split("::")[0]).is_relative_to(folder)]

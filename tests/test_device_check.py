@@ -46,16 +46,28 @@ def full(tmp_path_factory):
     return check(tmp_path_factory.mktemp("device-check"), "--tests", FAST_TEST)
 
 
+HIDE_TORCH = """import sys
+
+
+class HideTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+
+sys.meta_path.insert(0, HideTorch())
+"""
+"""A `sitecustomize.py` for which torch is not installed."""
+
+
 @pytest.fixture(scope="module")
 def broken(tmp_path_factory):
-    """A check on a host without torch (a stand-in package that fails to import first on
-    PYTHONPATH) whose detect part raises, throughput part needs an API JAX lacks and server
-    part hangs past a 3 s limit; its tests part selects a file whose folder's conftest needs
-    torch beside the quick marked test."""
+    """A check on a host without torch (hidden by a `sitecustomize` on PYTHONPATH) whose
+    detect part raises, throughput part needs an API JAX lacks and server part hangs past a
+    3 s limit; its tests part selects a file whose folder's conftest needs torch beside the
+    quick marked test."""
     fake = tmp_path_factory.mktemp("no-torch")
-    (fake / "torch").mkdir()
-    (fake / "torch" / "__init__.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    (fake / "sitecustomize.py").write_text(HIDE_TORCH)
     path = os.pathsep.join([str(fake), str(ROOT), os.environ.get("PYTHONPATH", "")])
     return check(tmp_path_factory.mktemp("device-check-broken"), "--limit", "server=3",
                  "--tests", "tests/scheduler/test_scheduler.py", FAST_TEST,
@@ -125,18 +137,23 @@ def test_the_wheels_are_the_runtime_dependencies_the_host_lacks():
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="" name="tests.scheduler.test_lora"><error message="collection failure">
 ImportError while importing test module
-E   ModuleNotFoundError: No module named 'torch'</error></testcase>
+E   ModuleNotFoundError: No module named 'torch_absent'</error></testcase>
 <testcase classname="t" name="test_s"><skipped message="no TPU here">x</skipped></testcase>
 <testcase classname="t" name="test_f"><failure message="assert 1 == 2">...</failure></testcase>
 <testcase classname="t" name="test_e"><error message="fixture broke">...</error></testcase>
+<testcase classname="" name="tests.models.test_moved"><error message="collection failure">
+E   ModuleNotFoundError: No module named 'jax.experimental.gone'</error></testcase>
 <testcase classname="t" name="test_ok" /></testsuite></testsuites>"""
 
 
 def test_the_tests_part_sorts_failures_skips_and_missing_modules(tmp_path):
+    """A missing package is "not collected"; a missing submodule of an installed one (JAX's
+    API moved) is an error."""
     (tmp_path / "j.xml").write_text(JUNIT)
     counts = junit_counts(tmp_path / "j.xml")
     assert counts["passed"] == 1
     assert counts["failed"] == ["t::test_f: assert 1 == 2"]
-    assert counts["errors"] == ["t::test_e: fixture broke"]
+    assert counts["errors"][0] == "t::test_e: fixture broke"
+    assert "no module jax.experimental.gone in the installed jax" in counts["errors"][1]
     assert counts["skipped"] == {"no TPU here": 1}
-    assert counts["not_collected"] == {"torch": ["tests.scheduler.test_lora"]}
+    assert counts["not_collected"] == {"torch_absent": ["tests.scheduler.test_lora"]}
