@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 
-.PHONY: serve test lint docs pull bench clean browser
+.PHONY: serve test lint docs pull bench clean browser device-check device-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,27 @@ lint: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test pull
 	$(BIN)/python bench/engine.py
+
+# ---- a lent TPU or GPU (docs/accelerators.md) -------------------------------------------------
+# device-wheels (on a machine with the registries): the wheels of the runtime dependencies an
+# accelerator host lacks (it brings JAX, flax, transformers, ...: bench/device_wheels.py's
+# HOST_HAS), for its Python PY, into git-ignored wheels/device (64 MiB at most; checked).
+# device-check (on the host, offline): installs the missing ones from there into
+# build/device-site (the host's environment is left alone), then runs the check with the
+# repository on PYTHONPATH. DEVICE_PYTHON: the project's venv where there is one, else python3.
+PY ?= 3.12
+DEVICE_WHEELS ?= wheels/device
+DEVICE_SITE := build/device-site
+DEVICE_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
+DEVICE_CHECK_ARGS ?=
+
+device-wheels:
+	$(PYTHON) -m bench.device_wheels download --python-version $(PY) --dest $(DEVICE_WHEELS)
+
+device-check:
+	$(DEVICE_PYTHON) -m bench.device_wheels install --wheels $(DEVICE_WHEELS) --target $(DEVICE_SITE)
+	PYTHONPATH="$(CURDIR):$(CURDIR)/$(DEVICE_SITE)$${PYTHONPATH:+:$$PYTHONPATH}" \
+	  $(DEVICE_PYTHON) -m bench.device_check $(DEVICE_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache $(SITE)

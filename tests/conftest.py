@@ -135,9 +135,12 @@ def pytest_collection_modifyitems(items) -> None:
 
 
 def pytest_itemcollected(item) -> None:
-    """Gives a test its xdist group: its own marker's, a shared engine's, or its file's.
+    """Gives a test its xdist group: its own marker's, a shared engine's, or its file's; marks
+    the kernel contract tests (tests/models/*kernel_contract*) `accelerator`.
     (xdist turns the group into a `@group` suffix of the test's id, which pytest 9 ignores:
     hence `pytest<9` in the test extra.)"""
+    if item.nodeid.startswith("tests/models/") and "kernel_contract" in item.nodeid:
+        item.add_marker(pytest.mark.accelerator)  # the kernels' contracts: `make device-check`
     if item.get_closest_marker("xdist_group") is not None:
         return
     fixtures = getattr(item, "fixturenames", ())

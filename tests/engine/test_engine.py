@@ -55,6 +55,7 @@ def check_batch_invariance_and_seeds(engine) -> None:
         np.testing.assert_allclose(alone[1], together[slot][1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.accelerator
 def test_batch_invariance_and_seeds(tiny_engine):
     check_batch_invariance_and_seeds(tiny_engine)
 
@@ -66,6 +67,7 @@ def test_sampled_tokens_differ_by_seed(tiny_engine):
     assert a[0][0] != a[1][0]
 
 
+@pytest.mark.accelerator
 def test_compile_count_flat_after_warmup(tiny_engine):
     cfg = tiny_engine.config
     before = tiny_engine.compile_count

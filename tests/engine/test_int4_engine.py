@@ -46,10 +46,12 @@ def test_the_engine_holds_int4_weights(int4_engine):
     assert int4_engine.params.outer["embed"].dtype == jnp.int8
 
 
+@pytest.mark.accelerator
 def test_batch_invariance_and_seeds_with_int4_weights(int4_engine):
     check_batch_invariance_and_seeds(int4_engine)
 
 
+@pytest.mark.accelerator
 def test_greedy_follows_the_int4_model(int4_engine, float_model):
     """Teacher-forced: at every position of prompt + output, the engine's greedy token is the
     argmax of the int4 model's forward over the whole sequence (its rows run the same

@@ -21,9 +21,12 @@ from metrale_jax.weights.hf_config import read_hf_config
 from metrale_jax.weights.safetensors_reader import read_safetensors
 
 ARCHS = sorted(ARCH_CONFIGS)
+ACCELERATOR_ARCHS = ("llama3", "qwen3")  # `make device-check` runs these two families
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=[
+    pytest.param(a, marks=pytest.mark.accelerator) if a in ACCELERATOR_ARCHS else a
+    for a in ARCHS])
 def pair(request, tmp_path_factory):
     arch = request.param
     folder = tmp_path_factory.mktemp(arch)

@@ -284,6 +284,7 @@ def test_use_tpu_kernel_false_on_cpu():
     assert use_tpu_kernel() is False
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("decode", [[7, 0, 13], []])
 def test_a_steps_kernel_layout_gives_the_reference_what_the_xla_tiers_compute(decode,

@@ -145,6 +145,7 @@ def test_logits_within_the_quantization_bound(arch):
 
 
 # ---- through the engine ---------------------------------------------------------------------
+@pytest.mark.accelerator
 def test_engine_quantizes_a_float_model_and_decodes_greedily():
     from metrale_jax.engine import Engine, EngineConfig, SlotSettings
     from tests.conftest import CACHE

@@ -72,6 +72,7 @@ def test_beam_search_equals_transformers(beam_setup, width, length_penalty, earl
         assert stopped, "no hypothesis ended on the stop token: the case tests less"
 
 
+@pytest.mark.accelerator
 def test_beams_beside_other_requests_give_their_answer_alone_and_compile_nothing(beam_setup):
     llm, _ = beam_setup
     sched = llm.scheduler

@@ -80,6 +80,7 @@ def _tokens(handle) -> list[int]:
     return out
 
 
+@pytest.mark.accelerator
 def test_a_batch_mixing_adapters_gives_each_request_its_tokens_alone(lora_setup):
     llm, _, _ = lora_setup
     sched = llm.scheduler

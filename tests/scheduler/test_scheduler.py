@@ -40,6 +40,7 @@ def test_greedy_equals_transformers(tiny_llm, tiny_folder):
         assert got.finish_reason == "length"
 
 
+@pytest.mark.accelerator
 def test_batch_invariance(tiny_llm):
     prompts = [[(11 * i + j) % 1000 for i in range(3 + 5 * j)] for j in range(8)]
     params = [SamplingParams(max_tokens=12, temperature=0.0 if j % 3 == 0 else 0.7 + 0.1 * j,
