@@ -192,7 +192,8 @@ def fits_tpu_kernel(q: jax.Array, kv_pages: jax.Array) -> bool:
     of `kernel_mesh()`; when not, logs why once (the caller runs the XLA path)."""
     K = kv_pages.shape[2] // 2
     problems = tpu_kernel_problems(q.shape[1], K, q.shape[2], kv_pages.shape[1], q.dtype,
-                                   kv_pages.dtype, shards=_model_shards(kernel_mesh(), K))
+                                   kv_pages.dtype, shards=_model_shards(kernel_mesh(), K),
+                                   device_kind=jax.devices()[0].device_kind)
     if kv_pages.shape[-1] != q.shape[-1]:
         problems.append(f"the pool's rows are {kv_pages.shape[-1]} wide, the queries' "
                         f"head_dim {q.shape[-1]}")
