@@ -68,6 +68,19 @@ _FLOATS = (jnp.float32, jnp.bfloat16)
 _mesh: Mesh | None = None
 
 
+@functools.cache
+def _tpu_kernel() -> tuple[Any, str]:
+    """(JAX's kernel, "") where this JAX ships it, else (None, why)."""
+    try:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention,
+        )
+    except ImportError as e:
+        return None, (f"JAX {jax.__version__} has no jax.experimental.pallas.ops.tpu."
+                      f"ragged_paged_attention ({e})")
+    return ragged_paged_attention, ""
+
+
 def use_tpu_kernel() -> bool:
     """Whether the ragged step goes to JAX's Pallas TPU kernel: on a TPU backend, unless
     `METRALE_TPU_KERNEL=0`. A model that does not fit the kernel (`tpu_kernel_problems`) still
@@ -180,6 +193,8 @@ def attention_path(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size
     problems = tpu_kernel_problems(
         num_q_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype,
         shards=_model_shards(mesh, num_kv_heads), device_kind=jax.devices()[0].device_kind)
+    if _tpu_kernel()[0] is None:
+        problems.append(_tpu_kernel()[1])
     if problems:
         _log_fallback_once(tuple(problems))
         return "xla"
@@ -194,6 +209,8 @@ def fits_tpu_kernel(q: jax.Array, kv_pages: jax.Array) -> bool:
     problems = tpu_kernel_problems(q.shape[1], K, q.shape[2], kv_pages.shape[1], q.dtype,
                                    kv_pages.dtype, shards=_model_shards(kernel_mesh(), K),
                                    device_kind=jax.devices()[0].device_kind)
+    if _tpu_kernel()[0] is None:
+        problems.append(_tpu_kernel()[1])
     if kv_pages.shape[-1] != q.shape[-1]:
         problems.append(f"the pool's rows are {kv_pages.shape[-1]} wide, the queries' "
                         f"head_dim {q.shape[-1]}")
@@ -256,16 +273,22 @@ def tpu_ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.A
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 mask_value=mask_value)
     if kernel is None:
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
-            ragged_paged_attention as kernel,
-        )
+        kernel, why = _tpu_kernel()
+        if kernel is None:
+            raise NotImplementedError(why)
         opts.update(blocks)
+    force = None
+    if interpret is not None:
+        from jax.experimental.pallas import tpu as pltpu
+        force = getattr(pltpu, "force_tpu_interpret_mode", None)
+        if force is None:
+            raise NotImplementedError(f"JAX {jax.__version__} has no jax.experimental.pallas."
+                                      "tpu.force_tpu_interpret_mode: no interpret mode here")
 
     def call(q, kv_pages, *meta):
-        if interpret is None:
+        if force is None:
             return kernel(q, kv_pages, *meta, **opts)
-        from jax.experimental.pallas import tpu as pltpu
-        with pltpu.force_tpu_interpret_mode(interpret):
+        with force(interpret):
             return kernel(q, kv_pages, *meta, **opts)
 
     if mesh is None:

@@ -93,6 +93,8 @@ def test_kernel_layout_matches_reference(D, ps, window, cap):
 def test_kernel_in_interpret_mode_matches_reference():
     """The real kernel (JAX's source) interpreted on CPU, where this JAX's interpreters can."""
     from jax.experimental.pallas import tpu as pltpu
+    if not hasattr(pltpu, "force_tpu_interpret_mode"):
+        pytest.skip(f"JAX {jax.__version__}: no pltpu.force_tpu_interpret_mode")
     q, pool, kl, _, live = mixed_step(2, K=4, G=2, D=128, ps=16)
     opts = dict(sm_scale=128**-0.5, sliding_window=24, soft_cap=None)
     ref = reference(q, pool, kl, **opts)
@@ -107,7 +109,7 @@ def test_kernel_in_interpret_mode_matches_reference():
         except Exception as e:  # JAX's interpreter limits, named above
             if not any(s in str(e) for s in INTERPRETER_LIMITS):
                 raise
-            pltpu.reset_tpu_interpret_mode_state()
+            getattr(pltpu, "reset_tpu_interpret_mode_state", lambda: None)()
             errors.append(f"{type(mode).__name__}: {str(e).strip().splitlines()[-1][:160]}")
             continue
         np.testing.assert_allclose(out[live], ref[live], rtol=2e-5, atol=2e-5)
