@@ -150,6 +150,17 @@ def test_tpu_generation():
         4, 5, 6, 7, 3, None, None]
 
 
+def test_switch_follows_the_backend_and_the_env(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.delenv(acc.TPU_KERNEL_ENV, raising=False)
+    assert acc.use_tpu_kernel()
+    monkeypatch.setenv(acc.TPU_KERNEL_ENV, "0")
+    assert not acc.use_tpu_kernel()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv(acc.TPU_KERNEL_ENV)
+    assert not acc.use_tpu_kernel()
+
+
 def test_call_preconditions_raise_before_the_kernel():
     q, pool, kl, _, _ = mixed_step(3, D=64)
     args = (q, pool, kl.kv_lens, kl.page_indices, kl.cu_q_lens, kl.num_seqs)
