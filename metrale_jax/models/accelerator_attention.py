@@ -211,7 +211,7 @@ def fits_tpu_kernel(q: jax.Array, kv_pages: jax.Array) -> bool:
                                    device_kind=jax.devices()[0].device_kind)
     if _tpu_kernel()[0] is None:
         problems.append(_tpu_kernel()[1])
-    if kv_pages.shape[-1] != q.shape[-1]:
+    if kv_pages.shape[-1] != q.shape[-1] and not problems:  # (int8 rows: D + 4, named)
         problems.append(f"the pool's rows are {kv_pages.shape[-1]} wide, the queries' "
                         f"head_dim {q.shape[-1]}")
     if problems:
