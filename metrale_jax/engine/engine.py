@@ -58,6 +58,7 @@ from metrale_jax.engine.state import DecodeState, SlotSettings, StepOutput
 from metrale_jax.engine.step_cost import StepCost
 from metrale_jax.errors import InvalidParameterError
 from metrale_jax.host_memory import release_free_memory
+from metrale_jax.models.accelerator_attention import attention_path
 from metrale_jax.models.unrolled import LayerParams
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,10 @@ class Engine:
         model_config, self.graph, self.params = place_params(model_config, graphdef, params,
                                                              cfg, self.mesh)
         self.model_config, self.vocab_size = model_config, model_config.vocab_size
+        # TPU: the kernel or the XLA path, decided (and logged, with why) before any step
+        self.attention_path = attention_path(
+            model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
+            cfg.page_size, cfg.dtype, cfg.resolved_cache_dtype, self.mesh)
         B = cfg.max_slots
         self.num_pages = cfg.resolved_num_pages
         # An encoder-decoder's decoder keys and values depend on its source, and the rings of

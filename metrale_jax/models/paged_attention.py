@@ -10,9 +10,12 @@ Page 0 is the null page: it is never allocated to a sequence. Padding tokens wri
 values there, and unused page table entries may point there, so its content is garbage: every
 read of it is masked out.
 
-On TPU, `ragged_paged_attention` calls the Pallas kernel. Elsewhere (CPU, GPU) it runs an XLA
-path in two tiers, because one gather per query token of its whole context would cost a long
-prefill chunk `C * span` page reads:
+On TPU, `ragged_paged_attention` calls the Pallas kernel (`models/accelerator_attention.py`: its
+preconditions, checked before the call, and its `shard_map` over kv heads under a mesh; a model
+that does not fit it, head_dim 64 or K = 3 for one, runs the XLA path there too). Elsewhere
+(CPU, GPU: `docs/attention-kernels.md` says why no JAX GPU kernel fits) it runs an XLA path in
+two tiers, because one gather per query token of its whole context would cost a long prefill
+chunk `C * span` page reads:
 
 - decode rows (one query each) read their own pages (`decode_attention`);
 - the prefill chunk attends to itself (its fresh keys and values, masked by sequence and
@@ -43,6 +46,12 @@ import jax.numpy as jnp
 
 from metrale_jax.kernels import chunk_attention as cpu_chunk_kernel
 from metrale_jax.kernels import decode_attention as cpu_kernel
+from metrale_jax.models.accelerator_attention import (
+    fits_tpu_kernel,
+    kernel_mesh,
+    tpu_ragged_paged_attention,
+    use_tpu_kernel,
+)
 from metrale_jax.models.kv_quant import dequantize_rows, is_quantized, quantize_rows
 
 __all__ = [
@@ -55,11 +64,6 @@ __all__ = [
     "use_tpu_kernel",
     "write_kv",
 ]
-
-
-def use_tpu_kernel() -> bool:
-    """Whether `ragged_paged_attention` calls the Pallas TPU kernel (on TPU) or the XLA path."""
-    return jax.default_backend() == "tpu"
 
 
 def write_kv(pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
@@ -397,8 +401,11 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     sequences past it are ignored. Tokens from `cu_q_lens[num_seqs]` on are padding (finite,
     meaningless output). Returns `[T, H, D]` in q's dtype.
 
-    On TPU (`use_tpu_kernel()`) this calls the Pallas kernel, which takes any batch and ignores
-    num_decode, block_pages, q_block and ctx_q_block. The XLA path elsewhere restricts the batch:
+    On TPU (`use_tpu_kernel()`), where the model fits it (`accelerator_attention.
+    fits_tpu_kernel`: float pool, head_dim a multiple of 128, 2K tiled; else the XLA path, the
+    reason logged once), this calls the Pallas kernel (under `shard_map` over kv heads on the
+    engine's mesh), which takes any batch and ignores num_decode, block_pages, q_block and
+    ctx_q_block. The XLA path restricts the batch:
 
     - num_decode (static): the first num_decode sequences have exactly one query each (tokens
       `0 .. num_decode - 1`); decode rows past num_seqs are idle;
@@ -414,14 +421,11 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     q_block (static): the chunk's query block; ctx_q_block (static): the chunk's query
     sub-block against its pieces' context.
     """
-    if use_tpu_kernel() and not is_quantized(kv_pages.dtype):
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
-            ragged_paged_attention as tpu_ragged_paged_attention,
-        )
-
+    if use_tpu_kernel() and fits_tpu_kernel(q, kv_pages):
         return tpu_ragged_paged_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value)
+            sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value,
+            mesh=kernel_mesh())
 
     del mask_value
     T = q.shape[0]
