@@ -26,11 +26,8 @@ Threads and queues:
 - Events go to each request's handle (`post`), which forwards them to the caller's thread or
   event loop.
 Backpressure: `max_waiting` bounds the queue; the slots bound the work in flight.
-Faults (scheduler/watchdog.py, scheduler/step_failures.py): a watchdog thread sees the loop
-make no progress while work is pending (`stall_timeout`): waiting and new requests get
-`StalledError` (503) until a step completes, or the process exits (`exit_on_stall`). A step
-that raises fails only its own requests, the others are recomputed on a rebuilt state.
-`health_problem` says why the loop is unhealthy (the server's /health).
+Faults (`health`, scheduler/health.py): a watchdog sees a stall; a failed step fails only
+its requests.
 
 The scheduler owns its parts, each built here from the engine: request validation
 (validation.py), the LoRA registry (lora_registry.py), the rows (rows.py), chunk planning
@@ -56,23 +53,18 @@ from metrale_jax.scheduler.beam_rows import BeamRows
 from metrale_jax.scheduler.chunks import ChunkPlanner
 from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
+from metrale_jax.scheduler.health import LoopHealth
 from metrale_jax.scheduler.lora_registry import LoraMix, LoraRegistry
 from metrale_jax.scheduler.preemption import Preemption
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.rows import Rows
 from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.speculation import Speculation
-from metrale_jax.scheduler.step_failures import StepFailureError, StepFailures
+from metrale_jax.scheduler.step_failures import StepFailureError
 from metrale_jax.scheduler.step_time import DEFAULT_MAX_ITL_MS, StepTimes, check_target
 from metrale_jax.scheduler.steps import StepRunner
 from metrale_jax.scheduler.validation import RequestValidator
 from metrale_jax.scheduler.waiting import WaitingQueue
-from metrale_jax.scheduler.watchdog import (
-    EngineBrokenError,
-    StalledError,
-    Watchdog,
-    stall_timeout_for,
-)
 
 WARMUP_MODES = ("serve", "full", "none")
 """How a `Scheduler` compiles before it serves (its `warmup` argument)."""
@@ -100,15 +92,10 @@ class Scheduler:
             sized so that its predicted time stays within it (scheduler/step_time.py); a
             request may ask for a tighter one (`GenerationRequest.max_itl_ms`). None or 0:
             no target (chunks as large as the FLOP budget allows).
-        stall_timeout: seconds without progress (a step read, or nothing to do) while work
-            is pending that make a stall (scheduler/watchdog.py); None: the larger of 120 s
-            and the warmup's seconds before serving.
-        exit_on_stall: a stall ends the process with `watchdog.EXIT_STALLED` (a supervisor
-            restarts it).
+        stall_timeout, exit_on_stall: the watchdog's (`LoopHealth`, scheduler/health.py).
 
     Parts (built here, used by the loop thread): `validator`, `loras`, `rows`,
-    `preemption`, `chunks`, `beams`, `speculation`, `steps`, `grammar`, `failures` (failed
-    steps), `watchdog`.
+    `preemption`, `chunks`, `beams`, `speculation`, `steps`, `grammar`, `health`.
     """
 
     def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
@@ -151,13 +138,8 @@ class Scheduler:
         self.speculation = Speculation(engine, self.rows, self.grammar, self.stats)
         self.steps = StepRunner(engine, self.rows, self.grammar, self.chunks, self.beams,
                                 self.speculation, self.stats, self.step_times)
-        self.failures = StepFailures(self.rows, self.preemption, self.stats)
-        self.steps.on_read = self._progressed
-        self.steps.on_row_error = self.failures.fail_row
-        self._stall_timeout = stall_timeout
-        self._idle = False  # the loop waits for work (under the lock)
-        self.watchdog = Watchdog(stall_timeout_for(stall_timeout, 0.0), self._has_work,
-                                 self._on_stall, exit_on_stall=exit_on_stall)
+        self.health = LoopHealth(self.rows, self.preemption, self.steps, self.stats,
+                                 self._lock, self._waiting, stall_timeout, exit_on_stall)
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
@@ -192,7 +174,7 @@ class Scheduler:
         `loop`: the asyncio loop that will `async for` over the handle (None: blocking use).
         """
         self.check(request)
-        self._refuse_if_unhealthy()
+        self.health.refuse_if_unhealthy()
         handle = RequestHandle(request, self.cancel, loop)
         lora, lora_key = self.loras.for_request(request.params.lora)
         seq = Sequence(request, handle, self.tokenizer, self.eos_token_ids, self.max_len,
@@ -204,24 +186,9 @@ class Scheduler:
                 raise BusyError(f"the waiting queue is full ({self.max_waiting} requests); "
                                 "retry later")
             self._waiting.append(seq)
-            if self._idle:  # the stall clock starts now, not at the loop's last idle beat
-                self.watchdog.beat()
+            self.health.submitted()
             self._wake.notify()
         return handle
-
-    @property
-    def health_problem(self) -> str | None:
-        """Why the loop is unhealthy (the server's /health answers 503 with it): stalled,
-        the decode state lost, or several steps in a row failed; None when healthy."""
-        return self.failures.broken or self.watchdog.stalled or self.failures.problem
-
-    def _refuse_if_unhealthy(self) -> None:
-        """Raises `EngineBrokenError` or `StalledError` (503) when no request can be served."""
-        if self.failures.broken is not None:
-            raise EngineBrokenError(self.failures.broken)
-        stalled = self.watchdog.stalled
-        if stalled is not None:
-            raise StalledError(f"the server is stalled ({stalled}); retry later")
 
     @property
     def lora_slots(self) -> dict[str, int]:
@@ -261,7 +228,6 @@ class Scheduler:
         with self._lock:
             self._running = False
             self._wake.notify()
-        self.watchdog.stop()
         self._thread.join(timeout)
 
     def abort(self, error: BaseException) -> None:
@@ -274,7 +240,6 @@ class Scheduler:
         with self._lock:
             self._running = False
             self._wake.notify()
-        self.watchdog.stop()
         self._fail_all(error)
 
     def snapshot(self) -> dict[str, Any]:
@@ -308,8 +273,6 @@ class Scheduler:
             if self._warmup != "none":
                 self.steps.measure()  # the step-time model's shapes (compiled programs)
             self.loras.load_initial()
-            if self._stall_timeout is None:  # a compile counts as a stall only past warmup's
-                self.watchdog.set_timeout(stall_timeout_for(None, time.monotonic() - started))
         except Exception as e:  # nothing can be served: fail whatever is queued
             log.exception("engine warmup failed")
             self.startup_error = e
@@ -319,17 +282,15 @@ class Scheduler:
             self._ready.set()
             return
         self._ready.set()
-        self.watchdog.start()
+        self.health.start(time.monotonic() - started)
         while True:
             with self._lock:
                 if not self._running:
                     break
                 if (not self._waiting and not self.rows.busy() and not self.steps.pending
                         and self.loras.idle):
-                    self._idle = True
-                    self._wake.wait(timeout=1.0)
-                    self._idle = False
-                    self.watchdog.beat()  # idle until now: that is progress
+                    with self.health.idle():  # waiting for work counts as progress
+                        self._wake.wait(timeout=1.0)
                 cancelled, self._cancelled = self._cancelled, set()
             try:
                 self._drop(cancelled)
@@ -345,11 +306,8 @@ class Scheduler:
                 # Read outputs one step late: keep the newest in flight while a step was
                 # launched (rows waiting on a step's output, as beams do, get it now).
                 self.steps.read(keep=1 if launched else 0)
-            except StepFailureError as failure:
-                self.steps.clear()
-                self.failures.recover(failure, self.steps.reset_state, self._requeue)
-                if self.failures.broken is not None:
-                    self._fail_all(EngineBrokenError(self.failures.broken))
+            except StepFailureError as failure:  # its requests fail, the others go back
+                self.health.step_failed(failure, self._fail_all)
             except Exception as e:
                 log.exception("batching loop iteration failed")
                 self.stats["loop_errors"] += 1
@@ -359,43 +317,8 @@ class Scheduler:
                     self.steps.reset_state()
                 except Exception:
                     log.exception("could not rebuild the decode state")
-        self.watchdog.stop()
+        self.health.watchdog.stop()
         self._shutdown()
-
-    # ---- faults (scheduler/watchdog.py, scheduler/step_failures.py) ----------------------
-    def _progressed(self) -> None:
-        """A step's output was read (the loop thread)."""
-        self.watchdog.beat()
-        self.failures.succeeded()
-
-    def _has_work(self) -> bool:
-        """Whether requests wait or run (the watchdog's thread; reads without the lock)."""
-        return bool(len(self._waiting) or self.rows.busy() or self.steps.pending)
-
-    def _on_stall(self, reason: str) -> None:
-        """The watchdog saw a stall (its thread): the waiting requests get `StalledError`;
-        with exit on stall, so do the running ones (the process ends next)."""
-        self.stats["stalls"] += 1
-        error = StalledError(f"the server is stalled ({reason}); retry later")
-        if not self._lock.acquire(timeout=1.0):  # the loop is stuck holding it
-            log.error("the stalled loop holds the queue's lock: waiting requests not failed")
-            return
-        try:
-            waiting = self._waiting.clear()
-        finally:
-            self._lock.release()
-        for seq in waiting:
-            seq.handle.post(Failed(error))
-        if self.watchdog.exit_on_stall:
-            for seq in list(self.rows.seqs):
-                if seq is not None:
-                    seq.handle.post(Failed(error))
-
-    def _requeue(self, seqs: list[Sequence]) -> None:
-        """Puts `seqs` back at the head of the queue, in this order (recomputed later)."""
-        with self._lock:
-            for seq in reversed(seqs):
-                self._waiting.appendleft(seq)
 
     def _lora_users(self) -> list[Sequence]:
         """The queued and running sequences (an unloaded adapter waits for them)."""

@@ -130,18 +130,20 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> Watchdog:
-        """Starts the watchdog thread (the timestamp starts now)."""
+        """Starts the watchdog thread (the timestamp starts now); not after `stop`."""
         self._last = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="metrale-watchdog",
-                                        daemon=True)
-        self._thread.start()
+        if not self._stop.is_set():
+            thread = threading.Thread(target=self._run, name="metrale-watchdog", daemon=True)
+            thread.start()
+            self._thread = thread
         return self
 
     def stop(self) -> None:
         """Ends the watchdog thread."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5)
 
     def set_timeout(self, seconds: float) -> None:
         """Changes the stall timeout (> 0 s), from the next check on."""

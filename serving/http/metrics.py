@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from serving.http.stats import loop_problem
+
 PREFIX = "metrale:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -76,7 +78,7 @@ class _SchedulerCollector(Collector):
                                   "raised (their requests failed).",
                                   value=stats.get("step_failures", 0))
         yield gauge("unhealthy", "1 while the batching loop is stalled or failing (/health "
-                    "503), else 0.", float(getattr(scheduler, "health_problem", None)
+                    "503), else 0.", float(loop_problem(scheduler)
                                            is not None))
         yield from _router_counters(scheduler)
         pages = getattr(scheduler.engine, "pages", None) if scheduler is not None else None

@@ -128,7 +128,7 @@ def stats_body(state: Any) -> dict[str, Any]:
         "requests_active": state.active,
         "compiles": compiles,
         "background_compile": compiling,
-        "health": getattr(scheduler, "health_problem", None),
+        "health": loop_problem(scheduler),
         "counters": {k: int(counters.get(k, 0)) for k in COUNTERS},
         "prefix_cache": prefix_cache,
         "errors": state.errors.to_dict(),
@@ -138,6 +138,13 @@ def stats_body(state: Any) -> dict[str, Any]:
                     if getattr(scheduler, "step_times", None) is not None else None),
         "models": state.pool.rows(),
     }
+
+
+def loop_problem(scheduler: Any) -> str | None:
+    """Why a scheduler's batching loop is unhealthy (`LoopHealth.problem`: stalled, steps
+    failing, its engine broken); None when healthy or when there is no scheduler."""
+    health = getattr(scheduler, "health", None)
+    return health.problem if health is not None else None
 
 
 def moe_stats(engine: Any) -> dict[str, Any] | None:

@@ -46,7 +46,7 @@ def _until(scheduler, cond: Callable[[], bool], ticks: int = 2000) -> bool:
     for _ in range(ticks):
         if cond():
             return True
-        assert scheduler.watchdog.wait_ticks(1)
+        assert scheduler.health.watchdog.wait_ticks(1)
     return cond()
 
 
@@ -59,12 +59,12 @@ def _pages_all_back(engine) -> bool:
 def short_stall(tiny_llm) -> Iterator[object]:
     """The tiny LLM's scheduler with a 0.3 s stall timeout (set back afterwards)."""
     scheduler = tiny_llm.scheduler
-    before = scheduler.watchdog.timeout
-    scheduler.watchdog.set_timeout(0.3)
+    before = scheduler.health.watchdog.timeout
+    scheduler.health.watchdog.set_timeout(0.3)
     try:
         yield scheduler
     finally:
-        scheduler.watchdog.set_timeout(before)
+        scheduler.health.watchdog.set_timeout(before)
 
 
 def test_a_held_step_stalls_the_loop_until_it_goes_on(tiny_llm, short_stall, caplog):
@@ -78,22 +78,22 @@ def test_a_held_step_stalls_the_loop_until_it_goes_on(tiny_llm, short_stall, cap
         running = _submit(tiny_llm, "wd-running")
         assert gate.entered.wait(60)
         waiting = _submit(tiny_llm, "wd-waiting", seed=1)
-        assert _until(scheduler, lambda: scheduler.health_problem is not None)
-        assert "made no progress" in scheduler.health_problem
+        assert _until(scheduler, lambda: scheduler.health.problem is not None)
+        assert "made no progress" in scheduler.health.problem
         end = _end(waiting)
         assert isinstance(end, Failed) and isinstance(end.error, StalledError)
         assert end.error.status == 503
         with pytest.raises(StalledError):
             _submit(tiny_llm, "wd-refused", seed=2)
-        assert scheduler.watchdog.wait_ticks(3)  # more checks: still one dump
+        assert scheduler.health.watchdog.wait_ticks(3)  # more checks: still one dump
         dumps = [r for r in caplog.records if "the stacks of every thread" in r.getMessage()]
         assert len(dumps) == 1
         assert '"metrale-scheduler"' in dumps[0].getMessage()
         assert "step_gate.py" in dumps[0].getMessage()  # where the loop is held
         assert scheduler.stats["stalls"] == stalls + 1
-        scheduler.watchdog.set_timeout(120)  # (a slow step after the release is no stall)
+        scheduler.health.watchdog.set_timeout(120)  # (a slow step after the release is no stall)
     assert collect(running).finish_reason == "length"
-    assert _until(scheduler, lambda: scheduler.health_problem is None)
+    assert _until(scheduler, lambda: scheduler.health.problem is None)
     assert collect(_submit(tiny_llm, "wd-after", seed=3)).finish_reason == "length"
 
 
@@ -101,7 +101,7 @@ def test_exit_on_stall_fails_every_request_then_exits(tiny_llm, short_stall):
     """With exit on stall, the running request gets StalledError too, then the exit function
     is called with EXIT_STALLED (recorded here: the real one is `os._exit`)."""
     scheduler = short_stall
-    watchdog = scheduler.watchdog
+    watchdog = scheduler.health.watchdog
     codes: list[int] = []
     watchdog.exit_on_stall, watchdog.exit = True, codes.append
     try:
@@ -118,7 +118,7 @@ def test_exit_on_stall_fails_every_request_then_exits(tiny_llm, short_stall):
         watchdog.exit_on_stall = False
         from metrale_jax.scheduler.watchdog import exit_now
         watchdog.exit = exit_now
-    assert _until(scheduler, lambda: scheduler.health_problem is None and not any(
+    assert _until(scheduler, lambda: scheduler.health.problem is None and not any(
         scheduler.snapshot()["slots"]))
 
 
@@ -175,7 +175,7 @@ def test_a_step_that_raises_fails_only_its_requests(tiny_llm):
     assert collect(good).finish_reason == "length"
     assert scheduler.stats["step_failures"] == failures + 1
     assert scheduler.stats["step_failed_requests"] == failed + 1
-    assert scheduler.health_problem is None
+    assert scheduler.health.problem is None
     assert _pages_all_back(engine)
 
     # failures in a row: unhealthy until a step succeeds
@@ -184,10 +184,10 @@ def test_a_step_that_raises_fails_only_its_requests(tiny_llm):
     try:
         ends = [_end(_submit(tiny_llm, f"sf-row-{i}", seed=i)) for i in range(UNHEALTHY_AFTER)]
         assert all(isinstance(e, Failed) for e in ends)
-        assert "steps in a row failed" in scheduler.health_problem
-        assert "injected step fault" in scheduler.health_problem
+        assert "steps in a row failed" in scheduler.health.problem
+        assert "injected step fault" in scheduler.health.problem
         assert collect(_submit(tiny_llm, "sf-ok", seed=9)).finish_reason == "length"
-        assert scheduler.health_problem is None
+        assert scheduler.health.problem is None
     finally:
         raising[0] = 0
         del engine.step

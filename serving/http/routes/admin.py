@@ -12,7 +12,7 @@ from serving.http.bodies import json_response
 from serving.http.errors import NotFoundError, error_body
 from serving.http.metrics import CONTENT_TYPE
 from serving.http.state import ServerState
-from serving.http.stats import stats_body
+from serving.http.stats import loop_problem, stats_body
 from serving.http.usage import parse_since
 
 
@@ -21,7 +21,7 @@ def register(app: Quart, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        problem = loop_problem(state)
+        problem = loop_status(state)
         if state.pool.serving and not state.draining and problem is None:
             return json_response({"status": "ready"})
         if problem is not None and not state.draining:
@@ -66,13 +66,11 @@ def register(app: Quart, state: ServerState) -> None:
                      for name in names]})
 
 
-def loop_problem(state: ServerState) -> tuple[str, str] | None:
+def loop_status(state: ServerState) -> tuple[str, str] | None:
     """(status, reason) when the primary model's batching loop is unhealthy ("stalled", or
-    "failing": steps fail or the decode state is lost; `Scheduler.health_problem`), else
-    None."""
+    "failing": steps fail or the decode state is lost; `LoopHealth.problem`), else None."""
     scheduler = getattr(state.runtime, "scheduler", None)
-    reason = getattr(scheduler, "health_problem", None)
+    reason = loop_problem(scheduler)
     if reason is None:
         return None
-    stalled = getattr(getattr(scheduler, "watchdog", None), "stalled", None)
-    return ("stalled" if reason == stalled else "failing"), reason
+    return ("stalled" if reason == scheduler.health.watchdog.stalled else "failing"), reason
