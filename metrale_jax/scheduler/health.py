@@ -95,10 +95,10 @@ class LoopHealth:
             yield
         finally:
             self._idle = False
-            self.progressed()
+            self.watchdog.beat()
 
     def progressed(self) -> None:
-        """A step's output was read, or the loop found nothing to do (the loop thread)."""
+        """A step's output was read (the loop thread): progress, and a step that worked."""
         self.watchdog.beat()
         self.failures.succeeded()
 

@@ -39,6 +39,7 @@ class StalledError(MetraleError):
 
     status = 503
     error_type = "server_error"
+    retry_after = 5.0  # seconds (the server's Retry-After)
 
     def __init__(self, message: str):
         super().__init__(message, code="stalled")
@@ -59,6 +60,7 @@ class EngineBrokenError(MetraleError):
 
     status = 503
     error_type = "server_error"
+    retry_after = 30.0  # seconds (the server's Retry-After: a restart is needed)
 
     def __init__(self, message: str):
         super().__init__(message, code="engine_broken")
