@@ -22,6 +22,7 @@ from metrale_jax.scheduler.rows import Rows
 from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.step_failures import StepFailureError, StepFailures
 from metrale_jax.scheduler.watchdog import (
+    EXIT_STALLED,
     EngineBrokenError,
     StalledError,
     Watchdog,
@@ -111,6 +112,9 @@ class LoopHealth:
         self.failures.recover(failure, self.steps.reset_state, self._requeue)
         if self.failures.broken is not None:
             fail_all(EngineBrokenError(self.failures.broken))
+            if self.watchdog.exit_on_stall:  # nothing can be served until a restart
+                log.critical("exiting with status %d (exit on stall)", EXIT_STALLED)
+                self.watchdog.exit(EXIT_STALLED)
 
     def _requeue(self, seqs: list[Sequence]) -> None:
         """Puts `seqs` back at the head of the queue, in this order (recomputed later)."""
