@@ -97,26 +97,27 @@ class StepFailures:
         failed = {id(s) for s in failure.seqs}
         order = sorted(self.rows.admitted_at.items(), key=lambda kv: kv[1][1])
         back: list[Sequence] = []
+        ended: list[Sequence] = []
         for slot, _ in order:
             seq = self.rows[slot]
             if seq is None:
                 continue
             seq = self.preemption.free_rows(slot, seq)
-            if id(seq) in failed or seq.finished:
-                self._fail(seq, error)
-            else:
-                back.append(seq)
+            (ended if id(seq) in failed or seq.finished else back).append(seq)
         for slot in range(len(self.rows)):  # rows without an admission time (none expected)
             seq = self.rows[slot]
             if seq is not None:
-                self._fail(self.preemption.free_rows(slot, seq), error)
-        try:
+                ended.append(self.preemption.free_rows(slot, seq))
+        try:  # (before any answer: a client that sees its failure sees the loop's health)
             reset_state()
         except Exception as e:
             log.critical("could not rebuild the decode state after a failed step",
                          exc_info=True)
             self.broken = (f"the engine's decode state could not be rebuilt after a failed "
                            f"step: {type(e).__name__}: {e}")
+        for seq in ended:
+            self._fail(seq, error)
+        if self.broken is not None:
             for seq in back:
                 self._fail(seq, EngineBrokenError(self.broken))
             return

@@ -107,6 +107,7 @@ class Watchdog:
         on_resume: called when a beat ends a stall.
         exit_on_stall: end the process with `EXIT_STALLED` after `on_stall`.
         exit: the function that ends the process (`exit_now`; tests pass another).
+        grace: seconds between `on_stall` and the exit, for the 503 answers to go out.
 
     Attributes:
         stalled: the current stall's reason (None: none). stalls: stalls seen since start.
@@ -116,13 +117,14 @@ class Watchdog:
     def __init__(self, timeout: float, pending: Callable[[], bool],
                  on_stall: Callable[[str], None] | None = None,
                  on_resume: Callable[[], None] | None = None, exit_on_stall: bool = False,
-                 exit: Callable[[int], None] = exit_now):
+                 exit: Callable[[int], None] = exit_now, grace: float = 1.0):
         self.timeout = stall_timeout_for(timeout, 0.0)
         self.pending = pending
         self.on_stall = on_stall
         self.on_resume = on_resume
         self.exit_on_stall = exit_on_stall
         self.exit = exit
+        self.grace = grace
         self.stalled: str | None = None
         self.stalls = 0
         self.ticks = 0
@@ -192,4 +194,5 @@ class Watchdog:
             self.on_stall(reason)
         if self.exit_on_stall:
             log.critical("exiting with status %d (exit on stall)", EXIT_STALLED)
+            time.sleep(self.grace)  # the answers' time to reach their clients
             self.exit(EXIT_STALLED)

@@ -103,7 +103,7 @@ def test_exit_on_stall_fails_every_request_then_exits(tiny_llm, short_stall):
     scheduler = short_stall
     watchdog = scheduler.health.watchdog
     codes: list[int] = []
-    watchdog.exit_on_stall, watchdog.exit = True, codes.append
+    watchdog.exit_on_stall, watchdog.exit, watchdog.grace = True, codes.append, 0.0
     try:
         with gated(scheduler.engine) as gate:
             running = _submit(tiny_llm, "wd-exit")
@@ -216,3 +216,36 @@ def test_a_row_whose_output_raises_fails_alone(tiny_llm):
         scheduler.steps.fault = None
     assert _until(scheduler, lambda: not any(scheduler.snapshot()["slots"]))
     assert _pages_all_back(scheduler.engine)
+
+
+def test_a_state_that_cannot_be_rebuilt_breaks_the_engine(tiny_llm):
+    """A failed step whose decode state cannot be rebuilt: the engine is broken (the health
+    problem says so, new requests get EngineBrokenError, 503) until the state is rebuilt
+    (here by the test; in a server, by a restart)."""
+    from metrale_jax.scheduler.watchdog import EngineBrokenError
+    scheduler = tiny_llm.scheduler
+    engine = scheduler.engine
+    real_step, real_init = type(engine).step, type(engine).init_decode_state
+
+    def step(*args, **kwargs):
+        raise RuntimeError("injected step fault")
+
+    def init_decode_state():
+        raise RuntimeError("injected device loss")
+
+    engine.step, engine.init_decode_state = step, init_decode_state
+    try:
+        end = _end(_submit(tiny_llm, "broken-first"))
+        assert isinstance(end, Failed) and isinstance(end.error, StepFailedError)
+        assert "could not be rebuilt" in scheduler.health.problem
+        assert "injected device loss" in scheduler.health.problem
+        with pytest.raises(EngineBrokenError) as e:
+            _submit(tiny_llm, "broken-refused", seed=1)
+        assert e.value.status == 503
+    finally:
+        del engine.step, engine.init_decode_state
+        assert (type(engine).step, type(engine).init_decode_state) == (real_step, real_init)
+        scheduler.steps.reset_state()  # (the loop is idle: nothing runs)
+        scheduler.health.failures.broken = None
+        scheduler.health.failures.in_a_row = 0
+    assert collect(_submit(tiny_llm, "broken-after", seed=2)).finish_reason == "length"
