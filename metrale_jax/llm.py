@@ -94,6 +94,9 @@ class LLM:
         max_itl_ms: the latency target in ms (`Scheduler`'s; `metrale serve --max-itl-ms`):
             while rows decode, prompt chunks are sized to keep each step within it; None or
             0: none. The default: `scheduler.step_time.DEFAULT_MAX_ITL_MS`.
+        stall_timeout: seconds without progress while requests wait or run that make the
+            batching loop stalled (`Scheduler`'s; scheduler/watchdog.py): waiting requests
+            and new ones raise `StalledError`; None: 120, or the warmup's time when longer.
         Further keyword arguments go to `EngineConfig`; e.g. `quantization="int8"`: int8
             weights with per-output-channel scales, quantized while loading
             (`models/quant.py`), or `"int4"`: 4-bit blocks (`models/quant4.py`).
@@ -110,7 +113,8 @@ class LLM:
                  source_lang: str | None = None, target_lang: str | None = None,
                  allowed_media_domains: Sequence[str] | None = None,
                  image_limits: Any = None, task: str = "auto",
-                 max_itl_ms: float | None = DEFAULT_MAX_ITL_MS, **engine_options: Any):
+                 max_itl_ms: float | None = DEFAULT_MAX_ITL_MS,
+                 stall_timeout: float | None = None, **engine_options: Any):
         from metrale_jax.embedding.loader import load_pooler, pooling_task
         from metrale_jax.engine.config import EngineConfig
         from metrale_jax.engine.placement import PlacementHook
@@ -137,6 +141,7 @@ class LLM:
         self._scheduler = None
         self._warmup = warmup
         self._max_itl_ms = max_itl_ms
+        self._stall_timeout = stall_timeout
         self.source_lang, self.target_lang = source_lang, target_lang
         import dataclasses
 
@@ -169,7 +174,8 @@ class LLM:
                             placement=self._placement.placement, vision=ckpt.vision)
             scheduler = Scheduler(engine, ckpt.tokenizer, self.eos_token_ids,
                                   warmup=self._warmup, loras=self.loras,
-                                  max_itl_ms=self._max_itl_ms)
+                                  max_itl_ms=self._max_itl_ms,
+                                  stall_timeout=self._stall_timeout)
             if not scheduler.wait_ready():
                 raise scheduler.startup_error
             self._scheduler = scheduler

@@ -242,7 +242,8 @@ def test_systemd_unit():
     assert set(unit.sections()) == {"Unit", "Service", "Install"}
     service = unit["Service"]
     assert service["EnvironmentFile"] == "/etc/metrale/metrale.env"  # what launch.sh writes
-    assert service["ExecStart"] == "/opt/metrale/venv/bin/metrale serve $METRALE_ARGS"
+    assert service["ExecStart"] == ("/opt/metrale/venv/bin/metrale serve --exit-on-stall "
+                                    "$METRALE_ARGS")  # a stall exits (4) and restarts
     assert service["Restart"] == "on-failure"
     assert int(service["TimeoutStopSec"]) > 30  # longer than the server's --grace-period
     assert unit["Install"]["WantedBy"] == "multi-user.target"

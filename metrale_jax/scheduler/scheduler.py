@@ -26,6 +26,8 @@ Threads and queues:
 - Events go to each request's handle (`post`), which forwards them to the caller's thread or
   event loop.
 Backpressure: `max_waiting` bounds the queue; the slots bound the work in flight.
+Faults (`health`, scheduler/health.py): a watchdog sees a stall; a failed step fails only
+its requests.
 
 The scheduler owns its parts, each built here from the engine: request validation
 (validation.py), the LoRA registry (lora_registry.py), the rows (rows.py), chunk planning
@@ -51,12 +53,14 @@ from metrale_jax.scheduler.beam_rows import BeamRows
 from metrale_jax.scheduler.chunks import ChunkPlanner
 from metrale_jax.scheduler.events import Cancelled, Failed, TimedOut
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
+from metrale_jax.scheduler.health import LoopHealth
 from metrale_jax.scheduler.lora_registry import LoraMix, LoraRegistry
 from metrale_jax.scheduler.preemption import Preemption
 from metrale_jax.scheduler.request import GenerationRequest, RequestHandle
 from metrale_jax.scheduler.rows import Rows
 from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.speculation import Speculation
+from metrale_jax.scheduler.step_failures import StepFailureError
 from metrale_jax.scheduler.step_time import DEFAULT_MAX_ITL_MS, StepTimes, check_target
 from metrale_jax.scheduler.steps import StepRunner
 from metrale_jax.scheduler.validation import RequestValidator
@@ -88,16 +92,18 @@ class Scheduler:
             sized so that its predicted time stays within it (scheduler/step_time.py); a
             request may ask for a tighter one (`GenerationRequest.max_itl_ms`). None or 0:
             no target (chunks as large as the FLOP budget allows).
+        stall_timeout, exit_on_stall: the watchdog's (`LoopHealth`, scheduler/health.py).
 
     Parts (built here, used by the loop thread): `validator`, `loras`, `rows`,
-    `preemption`, `chunks`, `beams`, `speculation`, `steps`, `grammar`.
+    `preemption`, `chunks`, `beams`, `speculation`, `steps`, `grammar`, `health`.
     """
 
     def __init__(self, engine, tokenizer, eos_token_ids: tuple[int, ...] = (),
                  max_waiting: int = 256, warmup: bool | str = True,
                  warmup_progress: Callable[[int, int], None] | None = None,
                  loras: dict[str, Any] | None = None,
-                 max_itl_ms: float | None = DEFAULT_MAX_ITL_MS):
+                 max_itl_ms: float | None = DEFAULT_MAX_ITL_MS,
+                 stall_timeout: float | None = None, exit_on_stall: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -132,6 +138,8 @@ class Scheduler:
         self.speculation = Speculation(engine, self.rows, self.grammar, self.stats)
         self.steps = StepRunner(engine, self.rows, self.grammar, self.chunks, self.beams,
                                 self.speculation, self.stats, self.step_times)
+        self.health = LoopHealth(self.rows, self.preemption, self.steps, self.stats,
+                                 self._lock, self._waiting, stall_timeout, exit_on_stall)
         self._thread = threading.Thread(target=self._run, name="metrale-scheduler", daemon=True)
         self._thread.start()
 
@@ -166,6 +174,7 @@ class Scheduler:
         `loop`: the asyncio loop that will `async for` over the handle (None: blocking use).
         """
         self.check(request)
+        self.health.refuse_if_unhealthy()
         handle = RequestHandle(request, self.cancel, loop)
         lora, lora_key = self.loras.for_request(request.params.lora)
         seq = Sequence(request, handle, self.tokenizer, self.eos_token_ids, self.max_len,
@@ -177,6 +186,7 @@ class Scheduler:
                 raise BusyError(f"the waiting queue is full ({self.max_waiting} requests); "
                                 "retry later")
             self._waiting.append(seq)
+            self.health.submitted()
             self._wake.notify()
         return handle
 
@@ -250,6 +260,7 @@ class Scheduler:
 
     # ---- loop thread -------------------------------------------------------------------
     def _run(self) -> None:
+        started = time.monotonic()
         try:
             if self._warmup != "none":
                 options: dict[str, Any] = {}
@@ -271,13 +282,15 @@ class Scheduler:
             self._ready.set()
             return
         self._ready.set()
+        self.health.start(time.monotonic() - started)
         while True:
             with self._lock:
                 if not self._running:
                     break
                 if (not self._waiting and not self.rows.busy() and not self.steps.pending
                         and self.loras.idle):
-                    self._wake.wait(timeout=1.0)
+                    with self.health.idle():  # waiting for work counts as progress
+                        self._wake.wait(timeout=1.0)
                 cancelled, self._cancelled = self._cancelled, set()
             try:
                 self._drop(cancelled)
@@ -293,6 +306,8 @@ class Scheduler:
                 # Read outputs one step late: keep the newest in flight while a step was
                 # launched (rows waiting on a step's output, as beams do, get it now).
                 self.steps.read(keep=1 if launched else 0)
+            except StepFailureError as failure:  # its requests fail, the others go back
+                self.health.step_failed(failure, self._fail_all)
             except Exception as e:
                 log.exception("batching loop iteration failed")
                 self.stats["loop_errors"] += 1
@@ -302,6 +317,7 @@ class Scheduler:
                     self.steps.reset_state()
                 except Exception:
                     log.exception("could not rebuild the decode state")
+        self.health.watchdog.stop()
         self._shutdown()
 
     def _lora_users(self) -> list[Sequence]:

@@ -8,6 +8,10 @@ tokens go to its sequence, a beam row's top list to its search (`BeamRows`), a p
 request's vector (`StepOutput.pooled`) to its caller as its `Pooled` end. Each step's real
 time goes to the step-time model (`step_time.StepClock`), which `measure` also fills after
 warmup.
+
+A step whose launch or output read raises raises `StepFailureError` naming its requests (the
+scheduler recovers: scheduler/step_failures.py); a row whose output alone raises while it is
+handed out goes to `on_row_error` and the other rows go on.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from metrale_jax.scheduler.chunks import ChunkPlanner
 from metrale_jax.scheduler.events import Pooled
 from metrale_jax.scheduler.grammar_slots import GrammarSlots
 from metrale_jax.scheduler.rows import Pending, Rows
+from metrale_jax.scheduler.sequence import Sequence
 from metrale_jax.scheduler.speculation import Speculation
+from metrale_jax.scheduler.step_failures import StepFailureError
 from metrale_jax.scheduler.step_time import StepClock, StepTimes
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,11 @@ class StepRunner:
     Attributes:
         state: the engine's `DecodeState` (None until `reset_state`).
         pending: the launched steps not read yet, oldest first.
+        on_read: called after each step's output was read (the loop's progress).
+        on_row_error: `on_row_error(slot, seq, error)` when handing out one row's output
+            raised (None: the error propagates).
+        fault: fault injection (tests): `fault(seq)` is called for each row before its
+            output is handed out; what it raises is that row's error.
     """
 
     def __init__(self, engine: Any, rows: Rows, grammar: GrammarSlots, chunks: ChunkPlanner,
@@ -59,6 +70,9 @@ class StepRunner:
         self.times = times
         self.clock = StepClock(times) if times is not None else None
         self._timing: dict[int, Any] = {}  # id(Pending) -> its StepClock record
+        self.on_read: Callable[[], None] | None = None
+        self.on_row_error: Callable[[int, Sequence, BaseException], None] | None = None
+        self.fault: Callable[[Sequence], None] | None = None
 
     def measure(self) -> None:
         """Times each compiled mixed step shape once on a scratch state (`StepTimes.measure`,
@@ -120,13 +134,21 @@ class StepRunner:
         if not pieces and not self.pending:
             drafts = self.speculation.drafts(active)
             if drafts is not None:
-                self.state, launched = self.speculation.verify(self.state, active, allowed,
-                                                               drafts)
+                try:
+                    self.state, launched = self.speculation.verify(self.state, active,
+                                                                   allowed, drafts)
+                except Exception as e:
+                    raise StepFailureError(e, self.rows.decoding(), "launch") from e
                 self.pending.append(launched)
                 return True
         started = self.clock.start() if self.clock is not None else None
-        self.state, out = engine.step(self.state, active, allowed, [p for p, _ in pieces])
-        _start_copy(out)
+        try:
+            self.state, out = engine.step(self.state, active, allowed,
+                                          [p for p, _ in pieces])
+            _start_copy(out)
+        except Exception as e:
+            seqs = [self.rows[int(b)] for b in np.flatnonzero(active)]
+            raise StepFailureError(e, seqs + [seq for _, seq in pieces], "launch") from e
         timing = None
         if self.clock is not None:
             cost = engine.step_cost
@@ -157,38 +179,58 @@ class StepRunner:
         timing = self._timing.pop(id(pending), None)
         if self.clock is not None:
             self.clock.read(timing, out)
-        tokens = np.asarray(out.tokens)
-        logprobs = np.asarray(out.logprobs)
-        top_ids = np.asarray(out.top_ids)
-        top_lps = np.asarray(out.top_logprobs)
+        try:
+            tokens = np.asarray(out.tokens)
+            logprobs = np.asarray(out.logprobs)
+            top_ids = np.asarray(out.top_ids)
+            top_lps = np.asarray(out.top_logprobs)
+        except Exception as e:
+            raise StepFailureError(e, [seq for _, _, seq in pending.owners], "output") from e
         B = len(self.rows)
         for col, slot, seq in pending.owners:
             if self.rows[slot] is not seq or seq.finished:
                 continue
-            self.grammar.consumed(slot)
-            if seq.request.pooling:
-                self._end_pooled(slot, seq, np.asarray(out.pooled)[col - B],
-                                 np.asarray(out.pooled_mean)[col - B])
-                continue
-            if seq.beam is not None:
-                self.beams.output(seq, top_ids[0, col], top_lps[0, col])
-                continue
-            steps = tokens.shape[0] if col < B else 1
-            if pending.emitted is not None:
-                steps = int(pending.emitted[col])
-            for k in range(steps):
-                seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
-                              top_ids[k, col], top_lps[k, col])
-                self.stats["tokens"] += 1
-                if seq.finished:
-                    break
-            if slot not in self.rows.prefilling:  # pages its decoding filled join the cache
-                self.chunks.offer_pages(slot, seq, int(self.engine.lengths[slot]))
-            if seq.finished:
-                self.rows.free(slot)
-                self.stats["finished"] += 1  # counted before the client can see the end
-                seq.post_final()
+            try:
+                self._hand_out(pending, col, slot, seq, B, tokens, logprobs, top_ids,
+                               top_lps)
+            except Exception as e:
+                if self.on_row_error is None:
+                    raise
+                self.on_row_error(slot, seq, e)
         self.state = self.beams.flush(self.state)
+        if self.on_read is not None:
+            self.on_read()
+
+    def _hand_out(self, pending: Pending, col: int, slot: int, seq: Sequence, B: int,
+                  tokens: np.ndarray, logprobs: np.ndarray, top_ids: np.ndarray,
+                  top_lps: np.ndarray) -> None:
+        """Hands row `slot`'s output (column `col`) to its sequence."""
+        out = pending.output
+        if self.fault is not None:
+            self.fault(seq)
+        self.grammar.consumed(slot)
+        if seq.request.pooling:
+            self._end_pooled(slot, seq, np.asarray(out.pooled)[col - B],
+                             np.asarray(out.pooled_mean)[col - B])
+            return
+        if seq.beam is not None:
+            self.beams.output(seq, top_ids[0, col], top_lps[0, col])
+            return
+        steps = tokens.shape[0] if col < B else 1
+        if pending.emitted is not None:
+            steps = int(pending.emitted[col])
+        for k in range(steps):
+            seq.add_token(int(tokens[k, col]), float(logprobs[k, col]),
+                          top_ids[k, col], top_lps[k, col])
+            self.stats["tokens"] += 1
+            if seq.finished:
+                break
+        if slot not in self.rows.prefilling:  # pages its decoding filled join the cache
+            self.chunks.offer_pages(slot, seq, int(self.engine.lengths[slot]))
+        if seq.finished:
+            self.rows.free(slot)
+            self.stats["finished"] += 1  # counted before the client can see the end
+            seq.post_final()
 
     def _end_pooled(self, slot: int, seq: Any, vector: np.ndarray, mean: np.ndarray) -> None:
         """A pooling request's prompt is in: its row is freed and it ends with `Pooled`

@@ -202,6 +202,17 @@ def _itl_ms(value: str) -> float:
     return ms
 
 
+def _seconds(value: str) -> float:
+    """`--stall-timeout`: a finite number of seconds > 0."""
+    try:
+        s = float(value)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and s > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, not {value!r}")
+    return s
+
+
 def _lora_flags(values: list[str]) -> dict[str, str]:
     """--lora NAME=PATH values as {name: path}; a malformed or repeated one is an error."""
     out: dict[str, str] = {}
@@ -302,7 +313,8 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         models=args.models, models_dir=args.models_dir,
         max_loaded_models=args.max_loaded_models, memory_budget_gb=args.memory_budget_gb,
         keep_alive=args.keep_alive, model_wait_timeout=args.model_wait_timeout,
-        max_itl_ms=args.max_itl_ms)
+        max_itl_ms=args.max_itl_ms, stall_timeout=args.stall_timeout,
+        exit_on_stall=args.exit_on_stall)
     return settings
 
 
@@ -427,6 +439,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "max_itl_ms may ask for less); 0: none (default 250)")
     srv.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds in-flight requests get after SIGTERM")
+    srv.add_argument("--stall-timeout", type=_seconds, default=None, metavar="S",
+                     help="the batching loop is stalled when no step completes for S seconds "
+                          "while requests wait or run: /health and new requests get 503, "
+                          "waiting requests 503, the thread stacks go to the log (default: "
+                          "120, or the warmup's time when longer)")
+    srv.add_argument("--exit-on-stall", action="store_true",
+                     help="a stall ends the process with exit status 4, for a supervisor to "
+                          "restart it (the deploy/ recipes turn it on)")
     srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                      help="prefill every prompt whole (default: full KV pages are cached by "
                           "content and shared by prompts that start with them)")

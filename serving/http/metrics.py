@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from serving.http.stats import loop_problem
+
 PREFIX = "metrale:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -69,6 +71,15 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens",
                                   "Draft tokens accepted by the verify steps.",
                                   value=stats.get("spec_accepted", 0))
+        yield CounterMetricFamily(PREFIX + "stalls", "Stalls of the batching loop (no step "
+                                  "completed for the stall timeout with work pending).",
+                                  value=stats.get("stalls", 0))
+        yield CounterMetricFamily(PREFIX + "step_failures", "Steps whose launch or output "
+                                  "raised (their requests failed).",
+                                  value=stats.get("step_failures", 0))
+        yield gauge("unhealthy", "1 while the batching loop is stalled or failing (/health "
+                    "503), else 0.", float(loop_problem(scheduler)
+                                           is not None))
         yield from _router_counters(scheduler)
         pages = getattr(scheduler.engine, "pages", None) if scheduler is not None else None
         cache = getattr(pages, "cache", None)

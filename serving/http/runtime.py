@@ -184,6 +184,8 @@ class ModelRuntime:
         self.scheduler = Scheduler(engine, self.checkpoint.tokenizer, self.eos_token_ids,
                                    max_waiting=s.max_waiting, warmup=warmup,
                                    warmup_progress=progress, loras=self.loras,
+                                   stall_timeout=s.stall_timeout,
+                                   exit_on_stall=s.exit_on_stall,
                                    **({} if s.max_itl_ms is None
                                       else {"max_itl_ms": s.max_itl_ms}))
         self.scheduler.wait_ready()

@@ -87,6 +87,10 @@ class ServerSettings:
         so that its predicted time stays within it (metrale_jax/scheduler/step_time.py); a
         request's `max_itl_ms` may ask for less (clamped to `step_time.FLOOR_MS`); None: the
         scheduler's default (`step_time.DEFAULT_MAX_ITL_MS`, 250); 0: no target.
+    stall_timeout: seconds without a step completed while requests wait or run that make
+        the batching loop stalled (metrale_jax/scheduler/watchdog.py); None: 120, or the
+        warmup's time when longer.
+    exit_on_stall: a stall ends the process (exit status `watchdog.EXIT_STALLED`, 4).
     model_wait_timeout: seconds a request waits for room to load its model while every
         loaded model is busy, before a 503 with Retry-After.
     """
@@ -134,6 +138,8 @@ class ServerSettings:
     keep_alive: float | None = None
     model_wait_timeout: float = 60.0
     max_itl_ms: float | None = None
+    stall_timeout: float | None = None
+    exit_on_stall: bool = False
 
     @property
     def warmup_mode(self) -> str:

@@ -5,9 +5,12 @@
      "slots": {"total", "used", "running": [{"slot", "request_id", "tenant", "prompt_tokens",
                                              "tokens", "running_s", "tokens_per_s"}]},
      "waiting", "requests_active", "compiles",
+     "health": null, or why the batching loop is unhealthy (/health's 503 reason),
      "counters": {"admitted", "finished", "steps", "tokens", "loop_errors", "preempted",
                   "prefix_cache_queries", "prefix_cache_hits", "spec_drafted",
-                  "spec_accepted" (speculative decoding's draft tokens proposed, accepted)},
+                  "spec_accepted" (speculative decoding's draft tokens proposed, accepted),
+                  "stalls" (the watchdog's), "step_failures" (steps whose launch or output
+                  raised), "step_failed_requests" (requests they failed)},
      "prefix_cache": {"enabled", "hit_rate" (hit / queried prompt tokens; None before any),
                       "pages" (cached pages), "idle_pages" (cached, held by no request)},
      "errors": {"total", "by_status": {"400": n, ...},
@@ -40,7 +43,8 @@ from typing import Any
 RECENT_ERRORS = 20
 COUNTERS = ("admitted", "finished", "steps", "tokens", "loop_errors", "preempted",
             "preempted_by_priority",
-            "prefix_cache_queries", "prefix_cache_hits", "spec_drafted", "spec_accepted")
+            "prefix_cache_queries", "prefix_cache_hits", "spec_drafted", "spec_accepted",
+            "stalls", "step_failures", "step_failed_requests")
 
 
 class ErrorLog:
@@ -124,6 +128,7 @@ def stats_body(state: Any) -> dict[str, Any]:
         "requests_active": state.active,
         "compiles": compiles,
         "background_compile": compiling,
+        "health": loop_problem(scheduler),
         "counters": {k: int(counters.get(k, 0)) for k in COUNTERS},
         "prefix_cache": prefix_cache,
         "errors": state.errors.to_dict(),
@@ -133,6 +138,13 @@ def stats_body(state: Any) -> dict[str, Any]:
                     if getattr(scheduler, "step_times", None) is not None else None),
         "models": state.pool.rows(),
     }
+
+
+def loop_problem(scheduler: Any) -> str | None:
+    """Why a scheduler's batching loop is unhealthy (`LoopHealth.problem`: stalled, steps
+    failing, its engine broken); None when healthy or when there is no scheduler."""
+    health = getattr(scheduler, "health", None)
+    return health.problem if health is not None else None
 
 
 def moe_stats(engine: Any) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""Operations routes: GET /health (503 until the model is ready, and while draining),
+"""Operations routes: GET /health (503 until the model is ready, while draining, and while
+the batching loop is unhealthy: stalled, or steps failing, with the `reason`),
 GET /metrics (Prometheus), GET /v1/metrale/stats (serving/http/stats.py) and
 GET /v1/metrale/usage (per-tenant usage, serving/http/usage.py). With keys, the last two need
 an admin key (serving/http/access.py)."""
@@ -11,7 +12,7 @@ from serving.http.bodies import json_response
 from serving.http.errors import NotFoundError, error_body
 from serving.http.metrics import CONTENT_TYPE
 from serving.http.state import ServerState
-from serving.http.stats import stats_body
+from serving.http.stats import loop_problem, stats_body
 from serving.http.usage import parse_since
 
 
@@ -20,8 +21,15 @@ def register(app: Quart, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.pool.serving and not state.draining:
+        problem = loop_status(state)
+        if state.pool.serving and not state.draining and problem is None:
             return json_response({"status": "ready"})
+        if problem is not None and not state.draining:
+            status, reason = problem
+            return json_response(
+                {"status": status, "reason": reason,
+                 **error_body(f"the server is unhealthy: {reason}", "server_error",
+                              code=status)}, 503, {"Retry-After": "5"})
         status = "draining" if state.draining else state.runtime.state
         return json_response(
             {"status": status, **error_body(f"the server is {status}", "server_error",
@@ -56,3 +64,13 @@ def register(app: Quart, state: ServerState) -> None:
             "until": state.usage.clock(),
             "data": [{"object": "tenant.usage", "tenant": name, **figures[name].as_dict()}
                      for name in names]})
+
+
+def loop_status(state: ServerState) -> tuple[str, str] | None:
+    """(status, reason) when the primary model's batching loop is unhealthy ("stalled", or
+    "failing": steps fail or the decode state is lost; `LoopHealth.problem`), else None."""
+    scheduler = getattr(state.runtime, "scheduler", None)
+    reason = loop_problem(scheduler)
+    if reason is None:
+        return None
+    return ("stalled" if reason == scheduler.health.watchdog.stalled else "failing"), reason
