@@ -19,9 +19,9 @@ compiled steps in `metrale_jax.engine`.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,18 +39,25 @@ from metrale_jax.weights.checkpoint import Checkpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
 
-_RUNNING: weakref.WeakSet[Any] = weakref.WeakSet()
-"""The batching loops (`Scheduler`s) that `LLM`s started and did not stop: stopped at
-interpreter exit (`close_all`), even when their `LLM` is gone."""
+def _stop_scheduler(scheduler: Any) -> None:
+    """Stops a batching loop, then its engine's background compile (the programs not started
+    are skipped, those compiling waited for): no thread of it is left inside XLA."""
+    scheduler.stop()
+    scheduler.engine.programs.cancel_background(timeout=None)
 
 
-@atexit.register
-def close_all() -> None:
-    """Stops every batching loop an `LLM` started. Runs at interpreter exit, before Python
-    tears down the daemon loop threads: a script that never calls `close()` would otherwise
-    end with a loop inside XLA and abort (exit 134, "terminate called ...")."""
-    for scheduler in list(_RUNNING):
-        scheduler.stop()
+def _release(closers: list[Any]) -> None:
+    """Runs the closers of what an `LLM` started (its batching loop, a pooling model's
+    worker), newest first. Runs once per `weakref.finalize`: at `close()`, when the `LLM` is
+    garbage collected, or at interpreter exit, before Python tears down the daemon threads
+    (a script that never calls `close()` would otherwise end with a loop inside XLA and
+    abort: exit 134, "terminate called after throwing an instance of ''")."""
+    if threading.current_thread().name.startswith("metrale-"):
+        # Collected on a thread of the engine's own (it cannot join itself): from another.
+        threading.Thread(target=_release, args=(closers,), name="llm-close").start()
+        return
+    while closers:
+        closers.pop()()
 
 MIN_LOGITS_BUCKET = 16
 
@@ -120,12 +127,15 @@ class LLM:
         from metrale_jax.engine.placement import PlacementHook
         self.pooler = None
         self._scheduler = None
+        self._closers: list[Any] = []  # what `close()` stops (see `_release`)
+        self._finalizer = weakref.finalize(self, _release, self._closers)
         self.checkpoint: Checkpoint | None = None  # None for a pooling model
         self.loras: dict[str, Any] = {}
         pooling = pooling_task(model, task)
         if pooling is not None:  # an embedding or reranking model: embed() and score()
             self.pooler = load_pooler(model, pooling, dtype=dtype, max_slots=max_slots,
                                       max_len=max_len, engine_options=engine_options)
+            self._closers.append(self.pooler.close)
             if warmup:
                 self.pooler.warmup()
             return
@@ -179,7 +189,7 @@ class LLM:
             if not scheduler.wait_ready():
                 raise scheduler.startup_error
             self._scheduler = scheduler
-            _RUNNING.add(scheduler)
+            self._closers.append(functools.partial(_stop_scheduler, scheduler))
         return self._scheduler
 
     @property
@@ -241,14 +251,13 @@ class LLM:
         return np.asarray(scores, np.float32)
 
     def close(self) -> None:
-        """Stops the batching loop thread, if one was started (at interpreter exit, every
-        open `LLM` is closed without this call)."""
-        if self.pooler is not None:
-            self.pooler.close()
-        if self._scheduler is not None:
-            _RUNNING.discard(self._scheduler)
-            self._scheduler.stop()
-            self._scheduler = None
+        """Stops every thread the `LLM` started: the batching loop, a background compile, a
+        pooling model's worker. Optional: the same happens when the `LLM` is garbage
+        collected (`del llm`) or at interpreter exit. A later generation starts a new loop."""
+        self._finalizer()
+        self._scheduler = None
+        self._closers = []
+        self._finalizer = weakref.finalize(self, _release, self._closers)
 
     def __enter__(self) -> LLM:
         """`with LLM(...) as llm:` closes it at the end of the block."""

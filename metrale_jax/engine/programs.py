@@ -31,13 +31,15 @@ is complete they choose the exact buckets.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import logging
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import jax
@@ -89,6 +91,55 @@ def program_grid(config: EngineConfig) -> list[tuple[int, int, int]]:
     grid = [(n, 0, config.decode_steps) for n in config.active_slot_buckets]
     grid += [(n, c, 1) for n in config.mixed_row_buckets for c in config.chunk_buckets]
     return grid
+
+
+_BACKGROUND: weakref.WeakSet[ProgramCache] = weakref.WeakSet()
+"""The caches that started a background warmup (`warmup_in_background`)."""
+
+
+@atexit.register
+def end_background_compiles() -> None:
+    """At interpreter exit: every background warmup skips the programs not started and this
+    waits for those compiling (a thread left inside XLA while Python tears down aborts the
+    process: "terminate called after throwing an instance of ''", exit 134)."""
+    for cache in list(_BACKGROUND):
+        cache.cancel_background(timeout=None)
+
+
+def run_jobs(jobs: Sequence[Callable[[], Any]], workers: int,
+             progress: Callable[[int, int], None] | None = None) -> None:
+    """Runs every job on `workers` daemon threads (`COMPILE_THREAD`_i); `progress(done,
+    total)` is called from the calling thread after each; the first job's error is raised
+    once every job has ended. Daemon threads: the interpreter's exit does not wait for the
+    jobs not started (a `ThreadPoolExecutor`'s workers are joined before `atexit` hooks run,
+    running every job still queued), so `end_background_compiles` can skip them."""
+    pending: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(jobs)):
+        pending.put(i)
+    ended: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+    def work() -> None:
+        while True:
+            try:
+                i = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                jobs[i]()
+                ended.put(None)
+            except BaseException as e:  # handed to the calling thread
+                ended.put(e)
+
+    for w in range(min(max(1, workers), len(jobs))):
+        threading.Thread(target=work, name=f"{COMPILE_THREAD}_{w}", daemon=True).start()
+    error: BaseException | None = None
+    for done in range(1, len(jobs) + 1):
+        e = ended.get()
+        error = error or e
+        if progress is not None and e is None:
+            progress(done, len(jobs))
+    if error is not None:
+        raise error
 
 
 class ProgramCache:
@@ -194,6 +245,7 @@ class ProgramCache:
 
         self._background = threading.Thread(target=run, name=COMPILE_THREAD, daemon=True)
         self._background.start()
+        _BACKGROUND.add(self)
 
     def cancel_background(self, timeout: float | None = 30.0) -> None:
         """Stops a background warmup: the programs not started are skipped (those compiling
@@ -217,12 +269,7 @@ class ProgramCache:
         def unless_cancelled(job: Job) -> Any:
             return None if self._cancelled else job()
 
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix=COMPILE_THREAD) as pool:
-            futures = [pool.submit(unless_cancelled, job) for job in jobs]
-            for done, f in enumerate(as_completed(futures), 1):
-                f.result()
-                if progress is not None:
-                    progress(done, len(jobs))
+        run_jobs([functools.partial(unless_cancelled, job) for job in jobs], workers, progress)
         seconds = time.perf_counter() - t0
         release_free_memory()  # what the compiler freed (about 10% of the resident set)
         log.info("warmup: %d programs in %.1f s", self.compile_count, seconds)

@@ -209,6 +209,7 @@ class ChunkPlanner:
         prefix = tuple(seq.feed[:start])
         if seq.cached_tokens is None:  # a new request (not one resumed)
             seq.cached_tokens = min(start, seq.prompt_len)
+            seq.handle.cached_tokens = seq.cached_tokens  # for an end made by the caller
             if self.engine.pages.cache is not None:
                 self.stats["prefix_cache_queries"] += seq.prompt_len
                 self.stats["prefix_cache_hits"] += seq.cached_tokens

@@ -97,6 +97,9 @@ class RequestHandle:
         # `time.monotonic()` when the request first got a slot (None: still waiting), set by
         # the batching loop; what it waited in the queue is this less its submission.
         self.admitted_at: float | None = None
+        # The prompt tokens read from the prefix cache (None until its first admission), set
+        # by the batching loop: for an end the caller makes itself (a stop it decides).
+        self.cached_tokens: int | None = None
 
     @property
     def request_id(self) -> str:

@@ -64,6 +64,9 @@ ADMIN_ROUTES = (("GET", "/v1/metrale/stats"), ("GET", "/v1/metrale/usage"),
                 ("POST", "/v1/metrale/models/wake"), ("POST", "/models/load"),
                 ("POST", "/models/unload"), ("POST", "/sleep"), ("POST", "/wake_up"),
                 ("GET", "/is_sleeping"))
+CORS_METHODS = ("GET", "POST", "DELETE", "OPTIONS")
+"""Every method the server's routes answer (a preflight for any other is refused);
+tests/serving/http/test_access_http.py checks it against the routes."""
 EXPOSED_HEADERS = ("x-request-id", "x-request-seq", "retry-after", "retry-after-ms",
                    *(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset")
                      for kind in ("requests", "tokens")))
@@ -280,6 +283,6 @@ def install(app: Quart, access: Access) -> None:
     origins = access.settings.allowed_origins
     if origins:
         from quart_cors import cors
-        cors(app, allow_origin=list(origins), allow_methods=["GET", "POST", "OPTIONS"],
+        cors(app, allow_origin=list(origins), allow_methods=list(CORS_METHODS),
              allow_headers=["*"], expose_headers=list(EXPOSED_HEADERS), max_age=600,
              allow_credentials=False)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from metrale_jax.errors import InvalidParameterError
@@ -75,6 +75,11 @@ class ChoiceStream:
     def called(self) -> bool:
         """True once a tool call went out."""
         return self._tools is not None and self._tools.called
+
+    @property
+    def done(self) -> bool:
+        """True once a forced tool choice's answer is complete (`ToolCallStream.done`)."""
+        return self._tools is not None and self._tools.done
 
     def _answer(self, pieces: Sequence[tuple[str, str]], final: bool) -> list[Delta]:
         out: list[Delta] = []
@@ -156,6 +161,24 @@ class ChatOutput:
         """The streaming shaper of one choice."""
         return ChoiceStream(self.reasoning.stream() if self.reasoning else None,
                             self.tool_parser.stream() if self.tool_parser else None)
+
+    def early_stop(self) -> Callable[[], Callable[[str], bool]] | None:
+        """For a forced tool choice ("required" or a named function) with a parser: makes,
+        per choice, a watcher fed each piece of output text that answers True once the
+        answer can hold nothing more (a call repeating an earlier one, or one past
+        `parallel_tool_calls` false's single call), so `Generation` ends the choice there
+        with finish reason "stop" (the answer's "tool_calls"). None otherwise."""
+        if self.tool_parser is None or not self.choice.constrained:
+            return None
+
+        def watcher() -> Callable[[str], bool]:
+            s = self.stream()
+
+            def feed(text: str) -> bool:
+                s.feed(text)
+                return s.done
+            return feed
+        return watcher
 
     @staticmethod
     def finish_reason(reason: str | None, called: bool) -> str | None:

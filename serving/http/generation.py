@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from metrale_jax.errors import MetraleError
@@ -126,6 +126,20 @@ class Generation:
         self.handles: list[Any] = []
         self._tasks: list[asyncio.Task] = []
         self.first_token_at: float | None = None  # time.monotonic() of the first token
+        self._watchers: dict[int, Callable[[str], bool]] = {}  # choice -> its early stop
+        self._stopped: set[int] = set()  # choices ended here (their later events dropped)
+
+    def stop_when(self, make: Callable[[], Callable[[str], bool]] | None) -> None:
+        """Gives every sampled choice (not a beam search's) a watcher `make()`, fed each of
+        its `Token`s' text: when it answers True the choice ends at once, with a `Finished`
+        (finish reason "stop", the tokens received so far) made here, and its engine request
+        is cancelled so nothing more is generated (a forced tool choice's answer is
+        complete: `ChatOutput.early_stop`). None: no watchers."""
+        if make is None:
+            return
+        for i in range(len(self.requests)):
+            if i not in self.beam_choices:
+                self._watchers[i] = make()
 
     @property
     def queue_seconds(self) -> float | None:
@@ -226,17 +240,33 @@ class Generation:
                 if event is None:
                     open_ -= 1
                     continue
+                if i in self._stopped:
+                    continue
                 choice = self.choices[i]
                 self._account(choice, event)
                 error = self._error(event)
                 if error is not None:
                     raise error
                 yield choice, event
+                watcher = self._watchers.get(i)
+                if isinstance(event, Token) and watcher is not None and watcher(event.text):
+                    yield choice, self._stop(i)
         finally:
             self.cancel()
             for t in self._tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+
+    def _stop(self, i: int) -> Finished:
+        """Ends choice `i` here (see `stop_when`): cancels its engine request; its end."""
+        self._stopped.add(i)
+        handle = self.handles[i]
+        handle.cancel()
+        choice = self.choices[i]
+        end = Finished("stop", choice.prompt_tokens, choice.completion_tokens,
+                       cached_tokens=getattr(handle, "cached_tokens", None) or 0)
+        self._account(choice, end)
+        return end
 
     @staticmethod
     def _beam_events(choices: list[int], event: Event, queue: asyncio.Queue) -> None:

@@ -97,6 +97,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
                      _timeout(state, req.timeout), request_id, cache_salt=req.cache_salt,
                      max_itl_ms=req.max_itl_ms,
                      images=[images], **state.access.generation_options(req.priority))
+    gen.stop_when(output.early_stop())  # a forced tool choice ends at its last call
     gen.check()
     state.access.submit(gen)  # reserves its tokens against the key's limits
     env = Envelope("chatcmpl", "chat.completion", name, rt.fingerprint)

@@ -33,6 +33,7 @@ class Blocks:
         self._open: str | None = None  # the open block's type
         self._call: int | None = None  # the open tool_use block's tool call index
         self._arguments: list[str] = []  # its JSON arguments so far
+        self.cut: set[int] = set()  # tool_use blocks whose arguments are no whole JSON object
 
     def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         events = self.close()
@@ -77,21 +78,22 @@ class Blocks:
         if self._open is None:
             return []
         if self._open == "tool_use":
-            self.blocks[-1]["input"] = _input("".join(self._arguments))
+            value = _input("".join(self._arguments))
+            if value is None:  # a call cut short (max_tokens inside its arguments)
+                self.cut.add(len(self.blocks) - 1)
+            self.blocks[-1]["input"] = value if value is not None else {}
             self._arguments, self._call = [], None
         self._open = None
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
 
-def _input(arguments: str) -> Any:
-    """A tool call's arguments as its `input` object ({} for none)."""
-    if not arguments.strip():
-        return {}
+def _input(arguments: str) -> dict[str, Any] | None:
+    """A tool call's arguments as its `input` object (None: no whole JSON object)."""
     try:
         value = json.loads(arguments)
     except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class Answer:
@@ -157,4 +159,7 @@ def message_body(answer: Answer) -> dict[str, Any]:
         blocks.feed(d)
     blocks.close()
     reason, sequence = answer.stop(called)
-    return answer.envelope(blocks.blocks, reason, sequence, answer.usage())
+    # A call cut by max_tokens is no call: no `tool_use` whose `input` is a guess (a client
+    # would run the tool with it); the answer is what came before it, stop reason max_tokens.
+    content = [b for i, b in enumerate(blocks.blocks) if i not in blocks.cut]
+    return answer.envelope(content, reason, sequence, answer.usage())

@@ -91,7 +91,10 @@ class ToolCallMachine:
             it differs.
         forced: the output is a forced tool choice's (a grammar allowed nothing but calls): a
             call or a marker the output cut short (`<tool_` at max_tokens) is dropped, never
-            content. (Otherwise every character that is no call reaches the content.)
+            content. (Otherwise every character that is no call reaches the content.) And the
+            answer is `done` at the first call that repeats an earlier one (with `unique`) or
+            that opens beyond `max_calls`: the generation can end there (serving/http/
+            generation.py stops it), nothing after it could reach the answer.
     """
 
     markers: tuple[str, ...] = ()
@@ -118,6 +121,7 @@ class ToolCallMachine:
         self._out: list[Delta] = []
         self._ws = ""  # trailing whitespace of content, held back
         self._after_call = False  # drop the leading whitespace of the next content
+        self.done = False  # forced: the answer can hold nothing more (see `forced`)
 
     # ---- driving ---------------------------------------------------------------------------
     def feed(self, text: str) -> list[Delta]:
@@ -227,6 +231,7 @@ class ToolCallMachine:
     def open_call(self, raw: str = "") -> None:
         """A call starts; `raw` is its text already consumed (its marker)."""
         hidden = self.max_calls is not None and self.calls >= self.max_calls
+        self.done = self.done or (hidden and self.forced)
         self.call = _Call(self.calls, raw, self._ws, self._after_call, hidden)
         self._ws, self._after_call = "", False
 
@@ -338,6 +343,7 @@ class ToolCallMachine:
         assert call is not None
         if self.unique and not call.hidden and not call.committed and (
                 call.signature in self._seen):
+            self.done = self.done or self.forced
             self.call, self.scanner = None, None
             self._after_call = True
             return

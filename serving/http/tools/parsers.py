@@ -87,6 +87,12 @@ class ToolCallStream:
         """True when at least one tool call went out."""
         return self._machine.calls > 0
 
+    @property
+    def done(self) -> bool:
+        """True once a forced choice's answer can hold nothing more (a repeated call, or one
+        beyond the limit): the generation may end here (`ToolCallMachine.forced`)."""
+        return self._machine.done
+
 
 class ToolParser:
     """A tool-call format. Subclasses set `name`, `markers` and `machine`.
@@ -142,8 +148,10 @@ class _HermesMachine(ToolCallMachine):
                 return False
             if self.buf.startswith(self.CLOSE):
                 self.consume(len(self.CLOSE))
-            elif self.CLOSE.startswith(self.buf) and not self.final:
-                return False
+            elif self.CLOSE.startswith(self.buf):
+                if not self.final:
+                    return False
+                self.consume(len(self.buf))  # the closing tag cut short: the call's, no content
             self.close_call()
             self.state = "text"
             return True

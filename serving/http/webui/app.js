@@ -177,6 +177,22 @@ async function errorText(response) {
   return `${response.status}: ${body?.error?.message || response.statusText}`;
 }
 
+async function clampMaxTokens(model, messages, wanted) {
+  // What the context leaves after the prompt (POST /tokenize counts it), else the model's
+  // context length (/v1/models' max_model_len); at least 1.
+  let limit = cards.find((c) => c.id === model)?.max_model_len;
+  try {
+    const response = await api("/tokenize", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ model, messages }) });
+    if (response.ok) {
+      const counted = await response.json();
+      limit = counted.max_model_len - counted.count;
+    }
+  } catch (e) { /* the context length alone */ }
+  return limit ? Math.max(1, Math.min(Math.floor(wanted), limit)) : wanted;
+}
+
 async function loadModels() {
   const response = await api("/v1/models");
   if (!response.ok) { setStatus("Could not list the models: " + await errorText(response)); return; }
@@ -321,7 +337,6 @@ async function send() {
   const body = { return_token_ids: true, ...extra, model: settings.model, messages: apiMessages(chat), stream: true,
                  stream_options: { include_usage: true } };
   if (settings.temperature !== "") body.temperature = Number(settings.temperature);
-  if (settings.maxTokens !== "") body.max_tokens = Number(settings.maxTokens);
   const answer = { role: "assistant", model: settings.model, content: "", reasoning: "", state: "streaming" };
   chat.messages.push(answer);
   $("prompt").value = "";
@@ -345,6 +360,10 @@ async function send() {
     node = fresh;
   };
   try {
+    // Unset, the server decides (the rest of the context); a value set is clamped to it.
+    if (settings.maxTokens !== "") {
+      body.max_tokens = await clampMaxTokens(settings.model, body.messages, Number(settings.maxTokens));
+    }
     const response = await api("/v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body), signal: controller.signal });

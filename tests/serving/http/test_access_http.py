@@ -528,3 +528,26 @@ def test_access_flags_reach_the_settings(tmp_path):
     plain = server_settings(plain_args)
     assert plain.api_keys_file is None and plain.allowed_origins == ()
     assert plain.dump_requests is None and not plain.dump_redact
+
+
+def test_cors_preflight_allows_every_method_of_every_route(keyed):
+    """Every (route, method) the app serves gets a preflight answer naming its method (a
+    browser then sends it): DELETE /v1/responses/{id} among them."""
+    import re
+    import urllib.request
+    srv = keyed[0]
+    served = set()
+    for rule in srv.app.url_map.iter_rules():
+        path = re.sub(r"<[^>]*>", "x", rule.rule)
+        for method in sorted(set(rule.methods or ()) - {"HEAD", "OPTIONS"}):
+            served.add((path, method))
+    assert ("/v1/responses/x", "DELETE") in served
+    for path, method in sorted(served):
+        req = urllib.request.Request(srv.url + path, method="OPTIONS", headers={
+            "Origin": ORIGIN, "Access-Control-Request-Method": method,
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200, (path, method)
+            assert r.headers["Access-Control-Allow-Origin"] == ORIGIN, (path, method)
+            allowed = {m.strip() for m in r.headers["Access-Control-Allow-Methods"].split(",")}
+            assert method in allowed, (path, method, allowed)

@@ -310,3 +310,58 @@ def test_detection_from_the_chat_template():
     assert tool_parser_class("llama3") is Llama3JsonParser
     with pytest.raises(Exception, match="unknown tool-call parser"):
         tool_parser_class("nope")
+
+
+CLOSED_BY = [  # (parser, a whole call, the closing text its last call ends with)
+    (HermesParser, _hermes("f", '{"a": 1}')[:-len("</tool_call>")], "</tool_call>"),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}', "]"),
+]
+
+
+@pytest.mark.parametrize(("cls", "head", "close"), CLOSED_BY)
+@pytest.mark.parametrize("forced", [True, False])
+def test_a_call_cut_inside_its_closing_tag_leaves_no_content(cls, head, close, forced):
+    """Output cut (max_tokens) at every character of a whole call's closing tag: the call,
+    and no content (no `"</tool_call"` beside it), streamed or not, forced or not."""
+    for k in range(len(close) + 1):
+        text = head + close[:k]
+        whole = check_stream_equals_parse(cls, text, forced=forced, unique=True)
+        assert calls(whole) == [("f", '{"a": 1}')] and whole.content is None, text
+
+
+def _done_after(cls, pieces: list[str], **kw) -> list[bool]:
+    s = parser(cls, **kw).stream()
+    out = []
+    for piece in pieces:
+        s.feed(piece)
+        out.append(s.done)
+    return out
+
+
+@pytest.mark.parametrize("cls, call, sep", [
+    (HermesParser, _hermes, "\n"),
+    (Llama3JsonParser, lambda n, a: f'{{"name": "{n}", "parameters": {a}}}', "; "),
+    (MistralParser, lambda n, a: f'{{"name": "{n}", "arguments": {a}}}', ", "),
+])
+def test_a_forced_answer_is_done_at_its_first_repeat(cls, call, sep):
+    """`done` (the generation may end) turns on at the first call repeating an earlier one,
+    once that call is read whole, under a forced choice only; the answer is the distinct
+    calls, and the repeat cut anywhere adds no content."""
+    lead = "[TOOL_CALLS][" if cls is MistralParser else ""
+    a, b = call("a", '{"x": 1}'), call("b", "{}")
+    text = lead + sep.join([a, b, a, b])
+    upto = len(lead + sep.join([a, b, a]))
+    done = _done_after(cls, list(text), forced=True, unique=True)
+    first = done.index(True)
+    assert upto - 1 <= first <= upto + len(sep), (first, upto)
+    assert not any(done[:first]) and all(done[first:])
+    assert not any(_done_after(cls, list(text), unique=True))  # auto: never
+    whole = parser(cls, forced=True, unique=True).parse(text[:first + 1])
+    assert calls(whole) == [("a", '{"x": 1}'), ("b", "{}")] and whole.content is None
+
+
+def test_a_forced_single_call_is_done_when_a_second_opens():
+    """`parallel_tool_calls` false (max_calls 1): done as soon as a second call opens."""
+    text = _hermes("a", "{}") + "\n" + _hermes("b", "{}")
+    done = _done_after(HermesParser, list(text), forced=True, unique=True, max_calls=1)
+    assert done.index(True) == len(_hermes("a", "{}") + "\n<tool_call>") - 1

@@ -257,3 +257,77 @@ def test_thinking_budget_forces_the_end_of_thinking(url, schemas):
     assert message["reasoning_content"]
     assert len(body["choices"][0]["token_ids"]) == 16
     assert message["content"]  # the answer follows the forced </think>
+
+
+PING = [{"type": "function", "function": {"name": "ping", "description": "no arguments"}}]
+"""A tool without parameters: every call of it is the same text, so a model held to the
+"required" grammar with `ignore_eos` (no end of text allowed) repeats its first call."""
+FORCED_MAX = 150
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "ping"}}])
+def test_a_forced_choice_ends_at_its_call(url, schemas, choice):
+    """The repeat ends the generation at once (not at max_tokens): one call, finish reason
+    tool_calls, usage counting the tokens up to the repeat, streamed as not; the server's
+    slot is free afterwards. (A named function's grammar ends after its one call.)"""
+    body = dict(messages=USER, tools=PING, tool_choice=choice, max_tokens=FORCED_MAX,
+                ignore_eos=True, return_token_ids=True)
+    status, _, answer = chat(url, **body)
+    assert status == 200, answer
+    schemas.chat(answer)
+    c = answer["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+    assert [(t["function"]["name"], t["function"]["arguments"])
+            for t in c["message"]["tool_calls"]] == [("ping", "{}")]
+    used = answer["usage"]["completion_tokens"]
+    assert used == len(c["token_ids"]) < FORCED_MAX, answer["usage"]
+    got, finish = streamed_message(url, schemas, **body)
+    assert got == shape(c["message"]) and finish == "tool_calls"
+
+
+def test_a_forced_choice_ends_at_its_call_on_responses_and_messages(url):
+    """The same early end on the Responses (completed, one function_call) and Messages
+    (stop_reason tool_use, one tool_use) fronts."""
+    status, _, r = post(url, "/v1/responses", {
+        "model": MODEL, "input": "weather?", "tools": [{"type": "function", "name": "ping"}],
+        "tool_choice": "required", "max_output_tokens": FORCED_MAX, "ignore_eos": True,
+        "temperature": 0})
+    assert status == 200, r
+    assert r["status"] == "completed" and r["usage"]["output_tokens"] < FORCED_MAX, r
+    assert [(i["type"], i["name"], i["arguments"]) for i in r["output"]] == [
+        ("function_call", "ping", "{}")]
+    status, _, m = post(url, "/v1/messages", {
+        "model": MODEL, "messages": USER, "max_tokens": FORCED_MAX, "ignore_eos": True,
+        "tools": [{"name": "ping", "input_schema": {
+            "type": "object", "properties": {}, "additionalProperties": False}}],
+        "tool_choice": {"type": "any"}, "temperature": 0})
+    assert status == 200, m
+    assert m["stop_reason"] == "tool_use" and m["usage"]["output_tokens"] < FORCED_MAX, m
+    assert [(b["type"], b["name"], b["input"]) for b in m["content"]] == [
+        ("tool_use", "ping", {})]
+
+
+def test_a_forced_call_cut_anywhere_is_no_content(url):
+    """A named call cut by max_tokens at every token: chat never has content beside it (a
+    cut closing tag is the call's) and keeps a call cut inside its arguments as sent, with
+    finish reason length (as OpenAI does); Messages has no text block and no `tool_use`
+    whose arguments were cut (stop_reason max_tokens)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = dict(messages=USER, tools=TOOLS, tool_choice=named, return_token_ids=True)
+    status, _, whole = chat(url, max_tokens=FORCED_MAX, **body)
+    assert status == 200 and whole["choices"][0]["finish_reason"] == "tool_calls", whole
+    length = len(whole["choices"][0]["token_ids"])
+    tool = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+    for n in range(1, length):
+        status, _, cut = chat(url, max_tokens=n, **body)
+        assert status == 200, cut
+        c = cut["choices"][0]
+        assert c["finish_reason"] == "length" and not c["message"]["content"], (n, c)
+        for call in c["message"].get("tool_calls", ()):
+            assert call["function"]["name"] == "get_weather"
+        status, _, m = post(url, "/v1/messages", {
+            "model": MODEL, "messages": USER, "max_tokens": n, "tools": [tool],
+            "tool_choice": {"type": "tool", "name": "get_weather"}, "temperature": 0})
+        assert status == 200 and m["stop_reason"] == "max_tokens", (n, m)
+        assert all(b["type"] == "tool_use" and "city" in b["input"] for b in m["content"]), (
+            n, m)

@@ -63,10 +63,12 @@ def _expect():
     return expect
 
 
-def _send(page, text: str, max_tokens: int, extra: dict | None = None) -> None:
-    """Fills the settings and the message, then presses Enter."""
-    page.locator("summary", has_text="Settings").click()
-    page.get_by_label("Max tokens").fill(str(max_tokens))
+def _send(page, text: str, max_tokens: int | None, extra: dict | None = None) -> None:
+    """Fills the settings (max tokens None: left empty) and the message, then presses
+    Enter."""
+    if not page.locator("details.settings").evaluate("d => d.open"):
+        page.locator("summary", has_text="Settings").click()
+    page.get_by_label("Max tokens").fill("" if max_tokens is None else str(max_tokens))
     page.get_by_label("Temperature").fill("0")
     page.get_by_label("Extra request parameters (JSON)").fill(json.dumps(extra or {}))
     page.get_by_label("Message").fill(text)
@@ -172,6 +174,41 @@ def test_stop_ends_the_answer_and_frees_the_slot(page, server, base_url):
     _poll_stats(base_url, lambda s: s["slots"]["used"] == 0, "a free slot")
     expect(page.get_by_role("button", name="Send")).to_be_enabled()
     expect(page.get_by_role("button", name="Stop")).to_be_disabled()
+
+
+def _chat_bodies(page) -> list[dict]:
+    """The bodies of the page's POST /v1/chat/completions requests, as they are sent."""
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data))
+            if r.url.endswith("/v1/chat/completions") and r.method == "POST" else None)
+    return bodies
+
+
+def test_max_tokens_is_the_servers_unless_set_and_then_clamped(page, base_url):
+    """Max tokens left empty (the default): the request has none and the server gives the
+    rest of the context (no 400 on a small --max-len); a value over the context is clamped
+    to what the prompt leaves (POST /tokenize)."""
+    expect = _expect()
+    bodies = _chat_bodies(page)
+    page.goto(base_url + "/")
+    expect(page.get_by_label("Model")).to_have_value(MODEL)
+    expect(page.get_by_label("Max tokens")).to_have_value("")
+    _send(page, "Hello there", None)
+    answer = page.locator("article.msg.assistant").last
+    expect(answer).to_have_attribute("data-state", "done")
+    assert "max_tokens" not in bodies[-1], bodies[-1]
+
+    card = next(m for m in get_json(base_url, "/v1/models")["data"] if m["id"] == MODEL)
+    _send(page, "Again", 100_000, {"ignore_eos": True})
+    expect(page.locator("article.msg.assistant")).to_have_count(2)
+    answer = page.locator("article.msg.assistant").last
+    expect(answer).to_have_attribute("data-state", "done")
+    sent = bodies[-1]
+    status, _, counted = post(base_url, "/tokenize", {"model": MODEL,
+                                                      "messages": sent["messages"]})
+    assert status == 200, counted
+    assert sent["max_tokens"] == card["max_model_len"] - counted["count"], sent
+    expect(answer.locator(".stats")).to_contain_text(f"{sent['max_tokens']} tokens")
 
 
 @pytest.fixture(scope="module")
