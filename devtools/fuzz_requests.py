@@ -197,25 +197,42 @@ def _body_op(schema: dict[str, Any]) -> dict[str, Any]:
         "application/json": {"schema": schema}}}, "responses": {"200": {"description": "ok"}}}}
 
 
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["system", "user", "assistant", "tool"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+        "type": "object", "properties": {"type": {"enum": ["text", "image_url"]},
+                                         "text": {"type": "string"}}}}]}}}
+VLLM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "/tokenize": {"type": "object", "properties": {
+        "model": {"type": "string"}, "prompt": {"type": "string"},
+        "messages": {"type": "array", "items": _MESSAGE},
+        "add_special_tokens": {"type": "boolean"},
+        "add_generation_prompt": {"type": "boolean"},
+        "return_token_strs": {"type": "boolean"}}},
+    "/detokenize": {"type": "object", "required": ["tokens"], "properties": {
+        "model": {"type": "string"},
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+}
+"""vLLM's /tokenize and /detokenize request bodies (no published OpenAPI spec of its own)."""
+
+
 def local_document() -> dict[str, Any]:
     """An OpenAPI 3.1 document of the routes OpenAI's spec lacks: Anthropic's /v1/messages
     and /v1/messages/count_tokens (from the SDK's request types) and vLLM's /tokenize and
-    /detokenize (from the server's own request models)."""
+    /detokenize (`VLLM_SCHEMAS`, written from vLLM's documentation)."""
     from anthropic.types import MessageCountTokensParams, MessageCreateParams
     from pydantic import TypeAdapter
-
-    from serving.http.protocol import DetokenizeRequest, TokenizeRequest
 
     ref = "#/components/schemas/{model}"
     components: dict[str, Any] = {}
     paths = {}
     sources = {ANTHROPIC_PREFIX: TypeAdapter(MessageCreateParams),
-               ANTHROPIC_PREFIX + "/count_tokens": TypeAdapter(MessageCountTokensParams),
-               "/tokenize": TypeAdapter(TokenizeRequest),
-               "/detokenize": TypeAdapter(DetokenizeRequest)}
+               ANTHROPIC_PREFIX + "/count_tokens": TypeAdapter(MessageCountTokensParams)}
     for path, adapter in sources.items():
         schema = adapter.json_schema(ref_template=ref)
         components.update(schema.pop("$defs", {}))
+        paths[path] = _body_op(schema)
+    for path, schema in VLLM_SCHEMAS.items():
         paths[path] = _body_op(schema)
     return {"openapi": "3.1.0", "info": {"title": "metrale-extra", "version": "1"},
             "servers": [{"url": "/"}], "paths": paths,

@@ -121,7 +121,7 @@ def test_every_route_is_fuzzed():
 @pytest.mark.parametrize("route", ROUTES)
 def test_spec_generated_requests_are_2xx_or_4xx(base_url, strategies, route):
     """`EXAMPLES` requests generated from the route's schema (OpenAI's spec, the Anthropic
-    SDK's types, or our own models for vLLM's routes), derandomized: a 2xx or a 4xx in the
+    SDK's types, or vLLM's documented bodies), derandomized: a 2xx or a 4xx in the
     route's error shape each; Hypothesis shrinks a failure to its smallest request."""
     from hypothesis import HealthCheck, Phase, given, settings
 
