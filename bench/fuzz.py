@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import signal
 import sys
 import tempfile
 import time
@@ -130,11 +131,15 @@ def main() -> int:
         print(f"{len(requests)} requests to {url} (model {model!r})", flush=True)
         start = time.monotonic()
         results = []
-        for i, req in enumerate(requests):
-            out = send(url, req, timeout=args.timeout)
-            results.append((req, out, check(req, out)))
-            if (i + 1) % 500 == 0:
-                print(f"  {i + 1} sent", flush=True)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill reports too
+        try:
+            for i, req in enumerate(requests):
+                out = send(url, req, timeout=args.timeout)
+                results.append((req, out, check(req, out)))
+                if (i + 1) % 500 == 0:
+                    print(f"  {i + 1} sent", flush=True)
+        except KeyboardInterrupt:
+            print(f"stopped after {len(results)} of {len(requests)} requests")
         failures = report(results, time.monotonic() - start)
         health = send(url, Request("GET", "/health"), timeout=30)
         print(f"/health afterwards: {health.status}")

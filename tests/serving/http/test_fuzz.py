@@ -31,7 +31,7 @@ from tests.serving.conftest import MODEL, SPEC
 pytestmark = pytest.mark.xdist_group("tiny-server")
 
 BODY_LIMIT = 256 * 1024  # the shared server's max_body_bytes (tests/serving/conftest.py)
-EXAMPLES = 12
+EXAMPLES = 10
 """Generated requests per route and test run (positive and negative cases, drawn)."""
 TIMEOUT = 60.0
 
