@@ -136,6 +136,9 @@ def main() -> int:
             for i, req in enumerate(requests):
                 out = send(url, req, timeout=args.timeout)
                 results.append((req, out, check(req, out)))
+                if results[-1][2] is not None:  # at once, in case the run is stopped
+                    print(f"  broke the rule: {results[-1][2][:300]}\n    {req.shown(300)}",
+                          flush=True)
                 if (i + 1) % 500 == 0:
                     print(f"  {i + 1} sent", flush=True)
         except KeyboardInterrupt:

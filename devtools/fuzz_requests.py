@@ -39,8 +39,8 @@ OPENAI_ROUTES = {  # the spec's path -> ours (its servers' base is /v1)
 ANTHROPIC_PREFIX = "/v1/messages"
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 MAX_NEW_TOKENS = 4
-"""Generated token budgets in [1, the context] are clamped to this (the run stays short);
-larger ones are sent as they are (the server must refuse what does not fit)."""
+"""Generated token budgets in [5, 10,000] are cut to this and absent ones set to it (the run
+stays short); larger ones are sent as they are (the server must refuse what does not fit)."""
 MAX_N = 2
 """Generated `n` / `best_of` above this become this (8 slots, a short run)."""
 
@@ -272,19 +272,27 @@ def _request(case: Any, pick: int, model: str) -> Request:
     if isinstance(body, bytes):  # a negative case may be raw bytes
         return Request(case.method.upper(), path, body)
     if isinstance(body, dict) and pick:
-        body = adjust({**body, "model": model})
+        body = adjust({**body, "model": model}, path)
     return Request(case.method.upper(), path, json_bytes(body))
 
 
-def adjust(body: dict[str, Any]) -> dict[str, Any]:
-    """`body` with a token budget in [1, 10**4] cut to `MAX_NEW_TOKENS` and `n` / `best_of`
-    over `MAX_N` cut to it (the spec allows values that would make the run long; larger
-    budgets stay, for the server to refuse)."""
+BUDGET_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
+                "/v1/responses": "max_output_tokens"}
+"""The token budget each generating route's body gets when it names none (the default, the
+rest of the context, would make every such request hundreds of steps)."""
+
+
+def adjust(body: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """`body` with a token budget in [1, 10**4] cut to `MAX_NEW_TOKENS` (none given: set to
+    it) and `n` / `best_of` over `MAX_N` cut to it (the spec allows values that would make
+    the run long; larger budgets stay, for the server to refuse)."""
     out = dict(body)
     for key in TOKEN_FIELDS:
         value = out.get(key)
         if _is_int(value) and MAX_NEW_TOKENS < value <= 10_000:
             out[key] = MAX_NEW_TOKENS
+    if path in BUDGET_FIELD and not any(out.get(key) is not None for key in TOKEN_FIELDS):
+        out[BUDGET_FIELD[path]] = MAX_NEW_TOKENS
     for key in ("n", "best_of"):
         if _is_int(out.get(key)) and out[key] > MAX_N:
             out[key] = MAX_N
