@@ -33,13 +33,18 @@ def lone_surrogate(text: str) -> int | None:
     return None
 
 
+class InvalidTextError(InvalidParameterError, ValueError):
+    """Text that is not valid Unicode (a lone surrogate): a 400 in the server, a ValueError
+    (as vLLM's and Hugging Face's tokenizers raise for bad input) in the Python API."""
+
+
 def check_unicode(text: str, param: str | None = None) -> None:
-    """Raises `InvalidParameterError` (HTTP 400, naming `param`) when `text` holds a lone
-    surrogate, which is not valid Unicode text."""
+    """Raises `InvalidTextError` (HTTP 400 naming `param`; a ValueError) when `text` holds a
+    lone surrogate, which is not valid Unicode text."""
     at = lone_surrogate(text)
     if at is not None:
         where = f"`{param}`" if param else "the text"
-        raise InvalidParameterError(
+        raise InvalidTextError(
             f"{where} holds a lone UTF-16 surrogate (U+{ord(text[at]):04X} at character {at}), "
             f"which is not valid Unicode text", param=param)
 

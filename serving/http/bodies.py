@@ -54,24 +54,51 @@ def error_response(e: MetraleError) -> Response:
     return json_response(body, e.status, error_headers(e))
 
 
+MAX_DEPTH = 64
+"""The deepest nesting of arrays and objects a body may have (a tool's JSON schema nests a
+few levels; thousands are an attack on every recursive reader after the JSON parser)."""
+
+MAX_SHOWN_FIELDS = 20
+"""How many ignored field names the answer's header and the log line list."""
+
+
 def invalid_text_field(value: Any, path: str = "") -> tuple[str, str] | None:
     """The first string of a decoded JSON body (a key or a value, depth first) that holds a
     lone UTF-16 surrogate, as (its path, e.g. "messages[1].content", the string), or None.
-    JSON lets a body escape one (`"\\ud800"`); no tokenizer can encode it, so it is a 400."""
-    if isinstance(value, str):
-        return (path or "body", value) if lone_surrogate(value) is not None else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            at = f"{path}.{key}" if path else str(key)
-            if lone_surrogate(key) is not None:
-                return (path or "body", key)
-            if (found := invalid_text_field(item, at)) is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            if (found := invalid_text_field(item, f"{path}[{i}]")) is not None:
-                return found
+    JSON lets a body escape one (`"\\ud800"`); no tokenizer can encode it, so it is a 400.
+    Walks without recursion; nesting deeper than `MAX_DEPTH` is an `InvalidParameterError`."""
+    stack: list[tuple[Any, str, int]] = [(value, path, 0)]
+    while stack:
+        item, at, depth = stack.pop()
+        if isinstance(item, str):
+            if lone_surrogate(item) is not None:
+                return (at or "body", item)
+            continue
+        if depth >= MAX_DEPTH and isinstance(item, dict | list) and item:
+            raise InvalidParameterError(
+                f"the request body nests arrays and objects more than {MAX_DEPTH} levels deep "
+                f"(at {at or 'the top'})", param=at or None)
+        if isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                if lone_surrogate(key) is not None:
+                    return (at or "body", key)
+                children.append((child, f"{at}.{key}" if at else str(key), depth + 1))
+            stack.extend(reversed(children))
+        elif isinstance(item, list):
+            stack.extend((child, f"{at}[{i}]", depth + 1)
+                         for i, child in reversed(list(enumerate(item))))
     return None
+
+
+def shown_fields(names: list[str]) -> list[str]:
+    """`names` as a header and a log line may carry them: JSON-escaped to printable ASCII (a
+    client may name a field anything: a newline, a lone surrogate), the first
+    `MAX_SHOWN_FIELDS`, each cut to 64 characters."""
+    out = [json.dumps(n)[1:-1][:64] for n in names[:MAX_SHOWN_FIELDS]]
+    if len(names) > MAX_SHOWN_FIELDS:
+        out.append(f"... {len(names) - MAX_SHOWN_FIELDS} more")
+    return out
 
 
 async def read_body(model: type) -> Any:
@@ -81,6 +108,10 @@ async def read_body(model: type) -> Any:
         decoded = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidParameterError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the parser's own limit, some hundreds of levels
+        raise InvalidParameterError(
+            f"the request body nests arrays and objects more than {MAX_DEPTH} levels deep"
+        ) from None
     ctx = current()
     if ctx is not None:
         ctx.body = decoded  # for the request dump
@@ -88,7 +119,7 @@ async def read_body(model: type) -> Any:
     if bad is not None:
         check_unicode(bad[1], param=bad[0])
     parsed = parse(model, decoded)
-    unknown = parsed.unknown_fields()
+    unknown = shown_fields(parsed.unknown_fields())
     if unknown:
         log.info("request %s: ignoring unknown fields %s", g.request_id, ", ".join(unknown))
         g.ignored_fields = unknown

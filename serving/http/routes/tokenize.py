@@ -9,7 +9,12 @@ from quart import Quart, Response
 from metrale_jax.errors import InvalidParameterError
 from serving.http import vision
 from serving.http.bodies import json_response, read_body
-from serving.http.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from serving.http.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
 from serving.http.state import ServerState
 
 
@@ -21,7 +26,7 @@ def register(app: Quart, state: ServerState) -> None:
         req = await read_body(TokenizeRequest)
         rt, _ = await state.use_model(req.model, keep_alive=req.keep_alive)
         if req.messages is not None:
-            chat = ChatCompletionRequest(messages=req.messages)
+            chat = parse(ChatCompletionRequest, {"messages": req.messages})  # [] is a 400
             if rt.vision is not None:  # each image part counts as its placeholder run
                 ids = vision.tokenize_chat(rt, chat, req.add_generation_prompt,
                                            bool(req.add_special_tokens))
