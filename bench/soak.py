@@ -411,7 +411,7 @@ def start_servers(args: argparse.Namespace, work: Path) -> dict[str, Server]:
         build_llava_folder(work / "llava")
         servers["vision"] = Server("vision", [
             "--model", str(work / "llava"), "--served-model-name", VISION, "--max-slots", "4",
-            "--max-len", "256", "--warmup", args.warmup], work / "vision.log")
+            "--max-len", "512", "--warmup", args.warmup], work / "vision.log")
     for srv in servers.values():
         srv.wait(args.start_timeout)
     return servers
@@ -505,7 +505,7 @@ def print_report(report: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
-    ap.add_argument("--clients", type=int, default=12, help="concurrent clients (default 12)")
+    ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     ap.add_argument("--sample", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--churn", type=float, default=60.0,
                     help="seconds each shared system prefix lasts (default 60)")
