@@ -86,3 +86,45 @@ def test_a_torn_entry_is_compiled_again_and_rewritten(own_cache):
     np.testing.assert_array_equal(again, want)
     assert not warned, warned
     assert not list(own_cache.glob(".*.tmp"))
+
+
+def _held_elsewhere() -> bool:
+    """Whether another thread holds SERIALIZE_LOCK now (asked from a thread of its own)."""
+    import threading
+    free: list[bool] = []
+
+    def probe():
+        got = compilation_cache.SERIALIZE_LOCK.acquire(blocking=False)
+        free.append(got)
+        if got:
+            compilation_cache.SERIALIZE_LOCK.release()
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return not free[0]
+
+
+def test_jax_serializes_and_deserializes_under_the_lock(own_cache, monkeypatch):
+    seen: list[tuple[str, bool]] = []
+    plain_get, plain_put = LRUCache.get, LRUCache.put
+
+    def get(self, key):
+        out = plain_get(self, key)
+        if out is not None:  # a hit: JAX deserializes it next, in the same locked call
+            seen.append(("get", _held_elsewhere()))
+        return out
+
+    def put(self, key, value):  # JAX serialized the executable just before
+        seen.append(("put", _held_elsewhere()))
+        return plain_put(self, key, value)
+
+    monkeypatch.setattr(LRUCache, "get", get)
+    monkeypatch.setattr(LRUCache, "put", put)
+    offset = float(2000 + os.getpid() % 1000)
+    x = np.arange(4.0, dtype=np.float32)
+    first, _ = _run(x, offset)  # a miss: put
+    second, _ = _run(x, offset)  # a hit: get
+    np.testing.assert_array_equal(first, second)
+    assert ("put", True) in seen and ("get", True) in seen, seen
+    assert all(held for _, held in seen), seen
