@@ -88,7 +88,7 @@ def test_a_torn_entry_is_compiled_again_and_rewritten(own_cache):
     assert not list(own_cache.glob(".*.tmp"))
 
 
-def _held_elsewhere() -> bool:
+def held_elsewhere() -> bool:
     """Whether another thread holds SERIALIZE_LOCK now (asked from a thread of its own)."""
     import threading
     free: list[bool] = []
@@ -112,11 +112,11 @@ def test_jax_serializes_and_deserializes_under_the_lock(own_cache, monkeypatch):
     def get(self, key):
         out = plain_get(self, key)
         if out is not None:  # a hit: JAX deserializes it next, in the same locked call
-            seen.append(("get", _held_elsewhere()))
+            seen.append(("get", held_elsewhere()))
         return out
 
     def put(self, key, value):  # JAX serialized the executable just before
-        seen.append(("put", _held_elsewhere()))
+        seen.append(("put", held_elsewhere()))
         return plain_put(self, key, value)
 
     monkeypatch.setattr(LRUCache, "get", get)
