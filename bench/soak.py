@@ -16,10 +16,11 @@ threads then send, for `--duration` seconds, requests drawn from this mix:
 - disconnects: a stream closed by the client after a few chunks;
 - timeouts: `timeout: 1` on a long generation (answered 408, or a timeout event in a stream).
 
-Every `--sample` seconds it records the servers' RSS (/proc), device memory (jax's
-`memory_stats` where the platform has them: not on CPU), KV pages held by sequences, idle
+Every `--sample` seconds it records the servers' RSS (/proc), KV pages held by sequences, idle
 cached pages, compile count and queue (GET /v1/metrale/stats), and the mean time per output
-token over the interval (/metrics `time_per_output_token_seconds`). After the traffic stops it
+token over the interval (/metrics `time_per_output_token_seconds`). Device memory is not
+sampled: the server reports no live device memory (only its memory plan), and JAX reports
+none on CPU. After the traffic stops it
 waits for the slots to empty and reads the pages once more. Reported: answers by kind and
 status, the 5xx count, pages leaked (pages still held by sequences once idle; idle cached
 pages are allowed), compiles during the last 2/3 of the run, least-squares slopes per minute
@@ -327,7 +328,6 @@ def sample(servers: dict[str, Server], t0: float) -> dict:
         row[p + "running"] = (stats.get("slots") or {}).get("used")
         row[p + "pages_in_use"] = cache.get("in_use_pages")
         row[p + "idle_pages"] = cache.get("idle_pages")
-        row[p + "device_mb"] = (stats.get("device_memory") or {}).get("bytes_in_use")
         row[p + "tpot_sum"] = metric(metrics, "metrale:time_per_output_token_seconds_sum")
         row[p + "tpot_count"] = metric(metrics, "metrale:time_per_output_token_seconds_count")
         row[p + "errors_5xx"] = sum(v for k, v in stats["errors"]["by_status"].items()
@@ -362,7 +362,7 @@ def summarize(rows: list[dict], final: dict, duration: float, p: str = "") -> di
     """The figures of one server over the run's last 2/3 (`rows` during the traffic)."""
     late = [r for r in rows if r["t"] >= duration / 3]
     out: dict = {}
-    for key in ("rss_mb", "compiles", "pages_in_use", "idle_pages", "waiting", "device_mb"):
+    for key in ("rss_mb", "compiles", "pages_in_use", "idle_pages", "waiting"):
         pts = [(r["t"], r.get(p + key)) for r in late]
         out[key + "_slope_per_min"], start = slope_per_min(pts)
         if key == "rss_mb" and late:
@@ -488,6 +488,14 @@ def print_report(report: dict) -> None:
               f"{f(s['rss_mb_slope_per_min'])} | {f(s['pages_in_use_slope_per_min'])} | "
               f"{f(s['idle_pages_slope_per_min'])} | {f(s['waiting_slope_per_min'])} | "
               f"{f(s['tpot_ms_mean'], '.1f')} | {f(s['tpot_ms_slope_per_min'])} |")
+    main = report["servers"]["main"]
+    goals = {"0 5xx": tot["client_5xx"] == 0 and all(
+                 not v["server_5xx"] for v in report["servers"].values()),
+             "0 pages leaked": all(not v["pages_leaked"] for v in report["servers"].values()),
+             "compiles flat": all(not v["compiles_late_added"]
+                                  for v in report["servers"].values()),
+             "RSS growth <= 1% (last 2/3)": (main["rss_growth_late_pct"] or 0.0) <= 1.0}
+    print("\ngoals: " + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in goals.items()))
     print(f"\nrequests {tot['requests']}, 5xx seen by clients {tot['client_5xx']}, "
           f"exceptions {tot['exceptions']}, error events in streams {tot['stream_errors']}, "
           f"unexpected 4xx {tot['unexpected_4xx']}\n")
