@@ -11,8 +11,12 @@ jaxlib, the backend and its devices, XLA_FLAGS and the METRALE_ environment, the
 model configs, and which CPU kernels are available (their check also registers them, which a
 loaded program needs before it runs). Any change makes new keys: a stale program is never
 loaded. Entries are written whole or not at all (a temporary file renamed into place), so a
-process killed mid-write leaves the store usable; an entry that fails to load is dropped and
-the program compiled again.
+process killed mid-write leaves the store usable (its temporary file is removed when the next
+store opens the folder); an entry that fails to load (a truncated file fails to unpickle) is
+dropped and the program compiled and stored again. Serializing and loading hold
+`compilation_cache.SERIALIZE_LOCK` (one (de)serialization at a time in the process: XLA:CPU
+aborted when two overlapped) and happen on the compiling thread before the program is
+published, so an executable is never serialized while it runs.
 
 On by default in the compilation cache's folder (`EngineConfig.compilation_cache_dir`, its
 `executables/` subfolder), where it replaces JAX's persistent cache for the engine's programs:
@@ -36,6 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+
+from metrale_jax.engine.compilation_cache import (
+    SERIALIZE_LOCK,
+    remove_stale_temporaries,
+    temporary_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +114,11 @@ _PERSISTENT_CACHE_LOCK = threading.RLock()
 """Held around a compile while JAX's persistent cache is on: XLA:CPU (jaxlib 0.10.2) aborted
 the process when one thread deserialized a cached executable while another serialized a new
 one (seen in a clean-clone test run: `put_executable_and_time` beside
-`get_executable_and_time`, "Fatal Python error: Aborted")."""
+`get_executable_and_time`, "Fatal Python error: Aborted"). Since then every (de)serialization
+also holds `compilation_cache.SERIALIZE_LOCK` (JAX's get/put on any thread, eager ops
+included, and this store's), which is what keeps two from overlapping; this lock stays as
+it was (it only orders the engine's own compiles with JAX's cache on, the test suite's
+configuration)."""
 
 
 def compile_fresh(lower: Any) -> tuple[Any, bool]:
@@ -132,6 +146,7 @@ class ExecutableStore:
         self.fingerprint = fingerprint_
         self.loaded = 0  # programs loaded from the store so far
         self._lock = threading.Lock()
+        remove_stale_temporaries(self.folder)
 
     def path(self, key: tuple, specs: Any) -> Path:
         """The file of program `key` with input `specs`."""
@@ -148,7 +163,8 @@ class ExecutableStore:
         except OSError:
             return None
         try:
-            exe = deserialize_and_load(*pickle.loads(payload))
+            with SERIALIZE_LOCK:
+                exe = deserialize_and_load(*pickle.loads(payload))
         except Exception as e:
             log.warning("dropping unreadable stored program %s (%s): %s", key, path.name, e)
             path.unlink(missing_ok=True)
@@ -162,10 +178,12 @@ class ExecutableStore:
         renamed into place; a failure is logged and ignored)."""
         from jax.experimental.serialize_executable import serialize
         path = self.path(key, specs)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = temporary_name(path)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(pickle.dumps(serialize(exe)))
+            with SERIALIZE_LOCK:
+                payload = pickle.dumps(serialize(exe))
+            tmp.write_bytes(payload)
             os.replace(tmp, path)
         except Exception as e:
             log.warning("could not store program %s: %s", key, e)

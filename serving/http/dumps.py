@@ -10,7 +10,13 @@ Files: `DIR/requests-<first seq>.jsonl`, one JSON object a line, rotated when th
 would take the file past `max_file_bytes` (the new file is named by the seq of the first line
 it holds). Lines are written in the order `record` was called (a request's seq is taken when it
 starts and its line written when it ends, so seqs within a file are not sorted; a reader sorts
-by `seq`). Each line is written whole and flushed.
+by `seq`). Each line goes to the file in one `write` of the whole line on an unbuffered file
+(repeated only for what a short write left), so a process killed at any moment (SIGKILL, a
+crash) leaves whole lines and at most one line cut short at the end of the file: readers
+(`read_dump_lines`) skip that one with a warning, and a restarted server starts a new file.
+No fsync per line: a killed process loses nothing it wrote (the kernel holds it); only a
+machine crash can lose the last lines. A file is fsynced when it is closed (rotation, stop).
+Lines still queued for the writer thread when the process is killed are lost.
 
 A line (the entry the HTTP layer passes, with `seq` and `time` put first):
 
@@ -53,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -429,14 +436,17 @@ class RequestDumper:
             self._close_file()
         if self._file is None:
             self._path = self.folder / dump_file_name(seq)
-            self._file = self._path.open("ab")
+            self._file = self._path.open("ab", buffering=0)
             self._file_bytes = self._file.tell()
-        self._file.write(data)
-        self._file.flush()
+        view = memoryview(data)
+        while view:  # one write of the whole line; a short write is continued
+            view = view[self._file.write(view) or 0:]
         self._file_bytes += len(data)
 
     def _close_file(self) -> None:
         if self._file is not None:
+            with contextlib.suppress(OSError):
+                os.fsync(self._file.fileno())
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
@@ -445,10 +455,16 @@ class RequestDumper:
 
 def read_dump_lines(path: Path) -> Iterator[dict[str, Any] | None]:
     """The lines of one dump file, each parsed (None for a line that is not a JSON object, e.g.
-    one cut short by a full disk). Raises OSError if the file can't be read."""
+    one cut short by a full disk). A last line without its newline (a process killed while
+    writing it) is None with a warning. Raises OSError if the file can't be read."""
     with Path(path).open("rb") as f:
         for raw in f:
             if not raw.strip():
+                continue
+            if not raw.endswith(b"\n"):
+                log.warning("%s: its last line is cut short (%d bytes: a process stopped "
+                            "while writing it); skipped", path, len(raw))
+                yield None
                 continue
             try:
                 line = json.loads(raw)

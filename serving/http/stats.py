@@ -12,7 +12,8 @@
                   "stalls" (the watchdog's), "step_failures" (steps whose launch or output
                   raised), "step_failed_requests" (requests they failed)},
      "prefix_cache": {"enabled", "hit_rate" (hit / queried prompt tokens; None before any),
-                      "pages" (cached pages), "idle_pages" (cached, held by no request)},
+                      "pages" (cached pages), "idle_pages" (cached, held by no request),
+                      "in_use_pages" (held by sequences), "usable_pages" (the pool)},
      "errors": {"total", "by_status": {"400": n, ...},
                 "recent": [{"time", "status", "type", "message", "request_id"}]},
      "tenants": null without API keys, else {tenant: {"keys", "enabled_keys",
@@ -114,7 +115,10 @@ def stats_body(state: Any) -> dict[str, Any]:
     prefix_cache = {"enabled": cache is not None,
                     "hit_rate": counters.get("prefix_cache_hits", 0) / queried if queried else None,
                     "pages": len(cache) if cache is not None else 0,
-                    "idle_pages": pages.idle_pages if cache is not None else 0}
+                    "idle_pages": pages.idle_pages if cache is not None else 0,
+                    # pages sequences hold (idle cached ones not counted) of the usable pool
+                    "in_use_pages": pages.usable_pages - pages.free_pages if pages else 0,
+                    "usable_pages": pages.usable_pages if pages is not None else 0}
     return {
         "model": state.settings.model_name,
         "quantization": (scheduler.engine.model_config.quantization

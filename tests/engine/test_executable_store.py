@@ -85,3 +85,32 @@ def test_an_unreadable_entry_is_dropped_and_compiled_again(tmp_path):
     assert store.load(("double",), (spec,)) is None and not path.exists()
     assert store.load(("other",), (spec,)) is None  # missing
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_torn_entry_and_a_dead_writers_file_are_cleaned_and_rewritten(tmp_path, store_on,
+                                                                         monkeypatch):
+    import jax.experimental.serialize_executable as serialization
+
+    from tests.engine.test_compilation_cache import held_elsewhere
+    spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    offset = float(time.time_ns() % 1_000_003)
+    store = ExecutableStore(tmp_path, "fingerprint")
+    exe, fresh = compile_fresh(lambda: jax.jit(lambda x: x - offset).lower(spec))
+    assert fresh
+    locked = []
+    plain = serialization.serialize
+    monkeypatch.setattr(serialization, "serialize",
+                        lambda e: (locked.append(held_elsewhere()), plain(e))[1])
+    store.save(("minus",), (spec,), exe)
+    assert locked == [True]  # serialized under compilation_cache.SERIALIZE_LOCK
+    path = store.path(("minus",), (spec,))
+    path.write_bytes(path.read_bytes()[:-7])  # cut short
+    leftover = path.with_name(f".{path.name}.4194305.1.tmp")  # a writer killed mid-write
+    leftover.write_bytes(b"half")
+    store = ExecutableStore(tmp_path, "fingerprint")  # the next start
+    assert not leftover.exists()
+    assert store.load(("minus",), (spec,)) is None and not path.exists()
+    store.save(("minus",), (spec,), exe)  # compiled again, stored again
+    loaded = store.load(("minus",), (spec,))
+    np.testing.assert_array_equal(loaded(jnp.arange(4.0)),
+                                  np.arange(4.0, dtype=np.float32) - offset)

@@ -270,3 +270,24 @@ def test_a_lone_surrogate_is_dumped_as_its_json_escape(tmp_path):
     first, second = lines_of(tmp_path)
     assert first["outcome"]["texts"] == ["a\ud800b"]
     assert second["outcome"]["texts"] == ["after"]
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning_and_a_restart_goes_on(tmp_path, caplog):
+    from serving.cli.replay import load_entries
+    with RequestDumper(tmp_path) as first:
+        for _ in range(3):
+            first.record(first.next_seq(), entry())
+    (path,) = dump_files(tmp_path)
+    whole = path.read_bytes()
+    line = whole.splitlines(keepends=True)[-1]
+    path.write_bytes(whole + line.replace(b'"seq":3', b'"seq":4')[: len(line) // 2])  # killed
+    with caplog.at_level(logging.WARNING, LOGGER):
+        got = list(read_dump_lines(path))
+    assert [g["seq"] if g else None for g in got] == [1, 2, 3, None]
+    assert "cut short" in caplog.text and path.name in caplog.text
+    with RequestDumper(tmp_path) as second:  # the restarted server: numbers go on, new file
+        seq = second.next_seq()
+        second.record(seq, entry())
+    assert seq == 5 and len(dump_files(tmp_path)) == 2
+    entries, unreadable = load_entries(tmp_path)  # what `metrale replay` reads
+    assert [e["seq"] for e in entries] == [1, 2, 3, 5] and unreadable == 1

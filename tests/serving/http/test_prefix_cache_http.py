@@ -43,6 +43,8 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client, base_url, schemas):
     stats = get_json(base_url, "/v1/metrale/stats")
     cache = stats["prefix_cache"]
     assert cache["enabled"] and cache["pages"] >= 4 and 0 < cache["hit_rate"] <= 1
+    # every request has ended: no page is held by a sequence, the cached ones are idle
+    assert cache["in_use_pages"] == 0 < cache["idle_pages"] <= cache["usable_pages"]
     assert stats["counters"]["prefix_cache_hits"] >= 64
 
 
