@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from devtools.fidelity_references import DATA, FAMILIES, load_references, transformers_logits
 from devtools.hf_models import ARCH_CONFIGS, build_hf_model
 from devtools.logits import stacked_logits
 from metrale_jax.weights.assemble import assemble_params
@@ -21,7 +22,7 @@ from metrale_jax.weights.hf_config import read_hf_config
 from metrale_jax.weights.safetensors_reader import read_safetensors
 
 ARCHS = sorted(ARCH_CONFIGS)
-ACCELERATOR_ARCHS = ("llama3", "qwen3")  # `make device-check` runs these two families
+ACCELERATOR_ARCHS = FAMILIES  # `make device-check` runs these two (torch-free: the stored file)
 
 
 @pytest.fixture(scope="module", params=[
@@ -83,3 +84,21 @@ def test_bfloat16_params_stay_close(pair):
     assert ours.dtype == np.float32
     err = np.abs(ours - ref).max() / np.abs(ref).max()
     assert err <= 5e-2, f"{arch}: bfloat16 max relative logit error {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_stored_references_are_current(arch, tmp_path):
+    """tests/data/fidelity/<arch> (test_fidelity_stored.py's torch-free references) holds
+    `build_hf_model`'s tiny model rounded to float16, and its logits are what transformers
+    gives for that folder today (if not: `python -m devtools.fidelity_references`)."""
+    folder = DATA / arch
+    stored = read_safetensors(folder)
+    fresh = build_hf_model(arch, tmp_path).state_dict()
+    assert set(stored) <= set(fresh), f"{arch}: stored tensors the model lacks"
+    for name, value in stored.items():
+        np.testing.assert_array_equal(value, fresh[name].half().numpy(), err_msg=name)
+    refs = load_references(folder)
+    now = transformers_logits(folder, {n: ids for n, (ids, _) in refs.items()})
+    for n, (_, ref) in refs.items():
+        err = np.abs(now[n] - ref).max() / np.abs(ref).max()
+        assert err <= 1e-5, f"{arch} len {n}: stored logits off transformers' by {err:.2e}"
