@@ -64,13 +64,25 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+def kernel_modules() -> list[Any]:
+    """Every C++ kernel module of `metrale_jax.kernels` (those with an `available()`), found
+    by listing the package: a stored program may call any of them, so a kernel added later
+    cannot be left out of the fingerprint nor left unregistered before a program is loaded."""
+    import importlib
+    import pkgutil
+
+    import metrale_jax.kernels as package
+    found = [importlib.import_module(f"{package.__name__}.{info.name}")
+             for info in pkgutil.iter_modules(package.__path__)]
+    return [m for m in found if callable(getattr(m, "available", None))]
+
+
 def _kernels() -> str:
-    """Which CPU kernels this process has (registered as a side effect), on CPU only."""
+    """Which CPU kernels this process has (registered as a side effect: a stored program that
+    calls one cannot be loaded before its FFI target is), on CPU only."""
     if jax.default_backend() != "cpu":
         return ""
-    from metrale_jax.kernels import decode_attention, int4_matmul, int8_matmul
-    return ",".join(f"{m.__name__}={m.available()}"
-                    for m in (decode_attention, int4_matmul, int8_matmul))
+    return ",".join(f"{m.__name__}={m.available()}" for m in kernel_modules())
 
 
 def enabled() -> bool:

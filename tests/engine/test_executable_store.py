@@ -114,3 +114,16 @@ def test_a_torn_entry_and_a_dead_writers_file_are_cleaned_and_rewritten(tmp_path
     loaded = store.load(("minus",), (spec,))
     np.testing.assert_array_equal(loaded(jnp.arange(4.0)),
                                   np.arange(4.0, dtype=np.float32) - offset)
+
+
+def test_every_cpu_kernel_is_registered_before_a_program_loads():
+    """A stored program calling a C++ kernel loads only once that kernel's FFI target is
+    registered (a fresh process loading a program with `metrale_chunk_attention` before
+    anything registered it dropped every stored program: "No FFI handler registered"). The
+    store registers (and fingerprints) every kernel module of the package, one per source."""
+    from pathlib import Path
+
+    import metrale_jax.kernels as package
+    from metrale_jax.engine.executable_store import kernel_modules
+    sources = {p.stem for p in Path(package.__path__[0]).glob("*.cc")}
+    assert sources and {m.__name__.rsplit(".", 1)[1] for m in kernel_modules()} == sources
