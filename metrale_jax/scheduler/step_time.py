@@ -227,7 +227,7 @@ class StepTimes:
                 state, seconds = timed_step(engine, state, n, [Piece(0, (1,) * C, 0, None)])
                 if counted:
                     got.setdefault((n, C, False), []).append(seconds)
-                if 2 * C <= S:
+                if 2 * C < S:  # a prompt leaves room for a token: at most S - 1
                     state, seconds = timed_step(engine, state, n, [Piece(0, (1,) * C, C, None)])
                     if counted:
                         got.setdefault((n, C, True), []).append(seconds)
