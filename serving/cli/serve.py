@@ -136,6 +136,8 @@ def _check_access_flags(args: argparse.Namespace) -> None:
         raise MetraleError("--dump-file-mb must be > 0")
     if args.dump_redact and args.dump_requests is None:
         raise MetraleError("--dump-redact needs --dump-requests DIR")
+    if args.usage_log is not None and Path(args.usage_log).is_dir():
+        raise MetraleError(f"--usage-log {args.usage_log}: a folder, not a file")
     if args.dump_requests is not None:
         folder = Path(args.dump_requests)
         if folder.exists() and not folder.is_dir():
@@ -300,6 +302,7 @@ def server_settings(args: argparse.Namespace, pid: int = 0, processes: int = 1) 
         protect_metrics=args.protect_metrics, allowed_origins=args.allowed_origins,
         dump_requests=args.dump_requests, dump_redact=args.dump_redact,
         dump_file_bytes=int(args.dump_file_mb * 1024 * 1024), webui=not args.no_webui,
+        usage_log=args.usage_log,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout or None, grace_period=args.grace_period,
         max_waiting=args.max_waiting, tool_call_parser=args.tool_call_parser,
@@ -353,6 +356,9 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
                         help="number every request (x-request-seq) and write one JSON line "
                              "per request into DIR (requests-<seq>.jsonl): tenant, route, "
                              "body, outcome, timings; replay with 'metrale replay DIR'")
+    parser.add_argument("--usage-log", default=None, metavar="FILE",
+                        help="append per-tenant usage to FILE (JSON lines) and read it back "
+                             "at start: GET /v1/metrale/usage survives restarts and kills")
     parser.add_argument("--dump-redact", action="store_true",
                         help="request dumps keep no prompt or output text, only lengths")
     parser.add_argument("--dump-file-mb", type=float, default=64.0, metavar="MB",

@@ -64,6 +64,8 @@ def create_app(settings: ServerSettings, runtime: ModelRuntime | None = None) ->
         state.pool.stop()
         if state.dumper is not None:
             state.dumper.close()
+        if state.usage.usage_log is not None:
+            state.usage.usage_log.close()
 
     @app.before_request
     async def _before() -> None:

@@ -34,6 +34,8 @@ class ServerSettings:
     dump_file_bytes: a dump file is rotated before it would pass this size.
     usage_retention: seconds of per-minute usage `GET /v1/metrale/usage?since=` can look
         back over (serving/http/usage.py).
+    usage_log: a file the per-tenant usage is appended to and read back from at start
+        (serving/http/usage_log.py): usage outlives restarts and kills; None: memory only.
     webui: serve the web chat page at `GET /` (serving/http/routes/webui.py).
     max_body_bytes: request bodies above this get 413.
     request_timeout: default per-request deadline in seconds (None = none); a request's own
@@ -112,6 +114,7 @@ class ServerSettings:
     dump_redact: bool = False
     dump_file_bytes: int = 64 * 1024 * 1024
     usage_retention: float = 7 * 86400.0
+    usage_log: str | None = None
     webui: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float | None = 600.0

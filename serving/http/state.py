@@ -17,6 +17,7 @@ from serving.http.runtime import ModelRuntime
 from serving.http.settings import ServerSettings
 from serving.http.stats import ErrorLog
 from serving.http.usage import UsageBook
+from serving.http.usage_log import UsageLog
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,9 @@ class ServerState:
         self.owns_runtime = not self.pool.primary.borrowed
         self.access = Access(settings)
         self.metrics = Metrics(lambda: self.runtime, self.pool.rows)
-        self.usage = UsageBook(self.metrics.registry, retention=settings.usage_retention)
+        self.usage = UsageBook(self.metrics.registry, retention=settings.usage_retention,
+                               usage_log=(UsageLog(settings.usage_log) if settings.usage_log
+                                          else None))
         self.dumper = None
         if settings.dump_requests:
             from serving.http.dumps import RequestDumper

@@ -13,6 +13,12 @@ limit that refused it, if one did. It keeps
   many); requests without a key are `anonymous`.
 - the same figures per tenant and per minute for `retention` seconds (7 days by default), and
   totals since the server started, for the usage route: `query(tenant, since)`.
+
+With a usage log (`--usage-log FILE`, serving/http/usage_log.py) every record is also
+appended to the file, and a new book reads the file's records within the retention back: the
+per-minute figures and the totals then go back to the oldest record kept (`started`), across
+restarts and kills. The Prometheus counters count this process's requests only (a restart is
+a counter reset, which `rate()` and `increase()` handle).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter
 from metrale_jax.errors import InvalidParameterError
 from serving.http.errors import RateLimitError
 from serving.http.metrics import PREFIX
+from serving.http.usage_log import UsageLog
 
 ANONYMOUS = "anonymous"
 """The tenant of requests that carry no key (a server without keys)."""
@@ -102,20 +109,25 @@ class UsageBook:
     """Per-tenant usage: Prometheus counters in `registry` and per-minute figures.
 
     max_tenants: tenants named in the counters' labels (later ones: `other`); retention:
-    seconds of per-minute figures kept; clock: Unix seconds (injectable for tests).
+    seconds of per-minute figures kept; clock: Unix seconds (injectable for tests); usage_log:
+    where records are appended and read back from at start (None: memory only).
     Thread-safe.
     """
 
     def __init__(self, registry: CollectorRegistry, max_tenants: int = 64,
-                 retention: float = 7 * 86400.0, clock: Callable[[], float] = time.time):
+                 retention: float = 7 * 86400.0, clock: Callable[[], float] = time.time,
+                 usage_log: UsageLog | None = None):
         self.max_tenants = max_tenants
         self.retention = retention
         self.clock = clock
         self.started = clock()
+        self.usage_log = usage_log
         self._lock = threading.Lock()
         self._labels: set[str] = set()
         self._totals: dict[str, Tally] = {}
         self._minutes: dict[str, collections.OrderedDict[int, Tally]] = {}
+        if usage_log is not None:
+            self._read_back(usage_log)
         label = ["tenant"]
         self.requests = Counter(PREFIX + "tenant_requests", "Requests per tenant (all routes "
                                 "but /health and /metrics).", label, registry=registry)
@@ -160,6 +172,12 @@ class UsageBook:
             self.rejected.labels(label, limit).inc()
         name = tenant if tenant is not None else ANONYMOUS
         now = self.clock()
+        self._add(name, now, tally)
+        if self.usage_log is not None:
+            self.usage_log.append({"t": round(now, 3), "tenant": name,
+                                   **dataclasses.asdict(tally)})
+
+    def _add(self, name: str, now: float, tally: Tally) -> None:
         minute = int(now // 60)
         with self._lock:
             self._totals.setdefault(name, Tally()).add(tally)
@@ -168,6 +186,27 @@ class UsageBook:
             oldest = int((now - self.retention) // 60)
             while minutes and next(iter(minutes)) < oldest:
                 minutes.popitem(last=False)
+
+    def _read_back(self, usage_log: UsageLog) -> None:
+        """Adds the log's records within the retention (in time order, per minute) and
+        compacts the file to one line per tenant and minute; `started` becomes the oldest
+        record's time."""
+        now = self.clock()
+        kept: dict[tuple[str, int], Tally] = {}
+        for record in usage_log.read():
+            t = float(record["t"])
+            if t < now - self.retention or t > now + 60:
+                continue
+            tally = Tally(**{k: int(v) for k, v in record.items()
+                             if k in FIELDS and isinstance(v, int | float)})
+            name = str(record.get("tenant") or ANONYMOUS)
+            kept.setdefault((name, int(t // 60)), Tally()).add(tally)
+        for (name, minute), tally in sorted(kept.items(), key=lambda kv: kv[0][1]):
+            self._add(name, minute * 60.0, tally)
+            self.started = min(self.started, minute * 60.0)
+        usage_log.rewrite([{"t": minute * 60, "tenant": name, **dataclasses.asdict(tally)}
+                           for (name, minute), tally in sorted(kept.items(),
+                                                               key=lambda kv: kv[0][1])])
 
     def tenants(self) -> list[str]:
         """The tenants with recorded usage, sorted."""

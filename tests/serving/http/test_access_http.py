@@ -492,6 +492,7 @@ def test_keys_never_reach_a_log_line_or_a_header(url, caplog):
     (["--dump-redact"], "--dump-redact needs --dump-requests DIR"),
     (["--dump-requests", "{bad}"], "not a folder"),
     (["--dump-requests", "{tmp}", "--dump-file-mb", "0"], "--dump-file-mb must be > 0"),
+    (["--usage-log", "{tmp}"], "--usage-log"),
 ])
 def test_bad_access_flags_exit_2_before_the_model_loads(capsys, tmp_path, args, needle):
     from tests.serving.conftest import run_main
@@ -513,9 +514,11 @@ def test_access_flags_reach_the_settings(tmp_path):
     args = build_parser().parse_args([
         "serve", "--api-keys", str(keys), "--api-key", "sk-y", "--protect-metrics",
         "--allowed-origins", "https://a.example,http://localhost:3000", "*",
-        "--dump-requests", str(tmp_path / "dumps"), "--dump-redact", "--dump-file-mb", "0.5"])
+        "--dump-requests", str(tmp_path / "dumps"), "--dump-redact", "--dump-file-mb", "0.5",
+        "--usage-log", str(tmp_path / "usage.jsonl")])
     check_flags(args)
     s = server_settings(args)
+    assert s.usage_log == str(tmp_path / "usage.jsonl")
     assert (s.dump_requests, s.dump_redact, s.dump_file_bytes) == (
         str(tmp_path / "dumps"), True, 512 * 1024)
     assert (s.api_keys_file, s.api_key, s.protect_metrics) == (str(keys), "sk-y", True)

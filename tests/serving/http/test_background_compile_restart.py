@@ -2,7 +2,8 @@
 background, shows the progress in `/v1/metrale/stats`, and a server killed (SIGKILL) during
 that compile, with a stream in flight, restarts cleanly from its persistent compilation cache
 and stored programs (engine/executable_store.py), then completes the grid; its request dumps
-up to the kill read back whole with `metrale replay`'s reader."""
+up to the kill read back whole with `metrale replay`'s reader, and its usage log (`--usage-log`)
+still counts the requests answered before the kill."""
 
 from __future__ import annotations
 
@@ -28,7 +29,27 @@ def _stats(url: str) -> dict:
 def _serve(tiny_model, dumps: Path):
     return start_cli_server("--model", str(tiny_model), "--served-model-name", "tiny",
                             "--max-slots", "2", "--max-len", "128", "--max-prefill-len", "32",
-                            "--dump-requests", str(dumps))
+                            "--dump-requests", str(dumps),
+                            "--usage-log", str(dumps.parent / "usage.jsonl"))
+
+
+def _completion_tokens(url: str, expected: int) -> int:
+    """The anonymous tenant's generated tokens from the usage route, once they reach
+    `expected` (a request's usage is recorded as it ends, just after its answer) or after 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        status, _, body = post(url, "/v1/metrale/usage?tenant=anonymous", b"", method="GET")
+        assert status == 200, body
+        got = body["data"][0]["completion_tokens"]
+        if got >= expected or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)  # polling the route for a record the server writes
+
+
+def _logged_tokens(usage_log: Path) -> int:
+    """The generated tokens the usage log holds."""
+    lines = usage_log.read_text().splitlines() if usage_log.exists() else []
+    return sum(json.loads(line)["completion_tokens"] for line in lines)
 
 
 def _answered(entries: list[dict]) -> list[dict]:
@@ -77,6 +98,8 @@ def test_killed_during_the_background_compile_restarts_from_the_cache(tiny_model
         status, _, first = post(url, "/v1/completions", BODY)
         assert status == 200, first
         before = _dumped(dumps, 1)
+        assert _completion_tokens(url, 8) == first["usage"]["completion_tokens"] == 8
+        assert _logged_tokens(tmp_path / "usage.jsonl") == 8  # written as it was counted
         stream = _stream_in_flight(url)
         proc.send_signal(signal.SIGKILL)  # mid-stream
         assert proc.wait(60) == -signal.SIGKILL
@@ -89,6 +112,8 @@ def test_killed_during_the_background_compile_restarts_from_the_cache(tiny_model
         status, _, again = post(url, "/v1/completions", BODY)
         assert status == 200, again
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        # the answer before the kill is still counted (the stream cut by the kill is not)
+        assert _completion_tokens(url, 16) == 8 + again["usage"]["completion_tokens"] == 16
         after = _dumped(dumps, 2)  # every line before the kill, whole
         assert [e["seq"] for e in after[:len(before)]] == [e["seq"] for e in before]
         assert after[:len(before)] == before
